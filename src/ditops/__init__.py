@@ -1,0 +1,26 @@
+"""ditops: fast, portable operators for diffusion-transformer inference.
+
+Public names only; see the README for usage and the precision contract.
+"""
+
+from __future__ import annotations
+
+from ditops.config import configure, override
+from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
+from ditops.layers.norm import FP32LayerNorm
+from ditops.platform import device_kind, force_device_kind, visible_devices
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BackendUnavailableError",
+    "CustomOp",
+    "FP32LayerNorm",
+    "configure",
+    "device_kind",
+    "explain",
+    "force_device_kind",
+    "override",
+    "registered_ops",
+    "visible_devices",
+]

@@ -1,0 +1,208 @@
+"""Every environment knob of ditops, read in one place, validated, documented.
+
+=====================  ===================================================================
+``DITOPS_CUSTOM_OPS``  Which ops may take a fast path: ``all`` (default) or ``none``, then
+                       comma-separated ``+name`` / ``-name`` entries (vLLM's syntax), e.g.
+                       ``none,+fp32_layer_norm`` or ``-block_sparse_attention``. A disabled
+                       op runs ``forward_native``. Unknown names are an error.
+``DITOPS_STRICT``      ``1`` makes an unusable fast path (package missing, op missing,
+                       kernel raising) raise instead of falling back. Default ``0``.
+``DITOPS_PRECISION``   ``fast`` (default): within each op's stated tolerance of the native
+                       path. ``exact``: bitwise equal to the native path on that device
+                       (paths that cannot promise it are skipped).
+=====================  ===================================================================
+
+The environment is read once, on first use; :func:`reload` reads it again.
+:func:`configure` changes the process-wide settings from code, and :func:`override` is
+a context manager that changes them for a block (tests use it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+Precision = Literal["fast", "exact"]
+PRECISIONS: tuple[str, ...] = ("fast", "exact")
+
+_TRUE = {"1", "true", "yes", "on"}
+_FALSE = {"0", "false", "no", "off", ""}
+
+
+class ConfigError(ValueError):
+    """A knob has a value ditops cannot use; the message says what is allowed."""
+
+
+@dataclass(frozen=True)
+class OpsSelection:
+    """The parsed form of ``DITOPS_CUSTOM_OPS``."""
+
+    default_enabled: bool = True
+    enabled: frozenset[str] = field(default_factory=frozenset)
+    disabled: frozenset[str] = field(default_factory=frozenset)
+    text: str = "all"
+
+    def is_enabled(self, name: str) -> bool:
+        if name in self.enabled:
+            return True
+        if name in self.disabled:
+            return False
+        return self.default_enabled
+
+    def names(self) -> frozenset[str]:
+        return self.enabled | self.disabled
+
+    def check_names(self, known: Iterable[str]) -> None:
+        """Raise ConfigError when the selection names an op that is not registered."""
+        known = set(known)
+        unknown = sorted(self.names() - known)
+        if unknown:
+            raise ConfigError(
+                f"DITOPS_CUSTOM_OPS={self.text!r} names unknown op(s) {', '.join(unknown)}; "
+                f"registered ops are: {', '.join(sorted(known)) or '(none)'}"
+            )
+
+
+def parse_custom_ops(text: str) -> OpsSelection:
+    """Parse ``all|none`` plus ``+name``/``-name`` entries, comma separated."""
+    entries = [e.strip() for e in text.split(",") if e.strip()]
+    allowed = "expected 'all' or 'none', then entries '+name' or '-name', comma separated"
+    defaults = {e for e in entries if e in ("all", "none")}
+    if len(defaults) > 1:
+        raise ConfigError(f"DITOPS_CUSTOM_OPS={text!r} says both 'all' and 'none'; {allowed}")
+    enabled: set[str] = set()
+    disabled: set[str] = set()
+    for entry in entries:
+        if entry in ("all", "none"):
+            continue
+        sign, name = entry[0], entry[1:].strip()
+        if sign not in "+-" or not name or not name.replace("_", "").isalnum():
+            raise ConfigError(f"DITOPS_CUSTOM_OPS={text!r}: bad entry {entry!r}; {allowed}")
+        (enabled if sign == "+" else disabled).add(name)
+    both = enabled & disabled
+    if both:
+        raise ConfigError(
+            f"DITOPS_CUSTOM_OPS={text!r} both enables and disables {', '.join(sorted(both))}; "
+            "name each op at most once"
+        )
+    return OpsSelection(
+        default_enabled="none" not in defaults,
+        enabled=frozenset(enabled),
+        disabled=frozenset(disabled),
+        text=text,
+    )
+
+
+def parse_bool(name: str, text: str) -> bool:
+    value = text.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ConfigError(
+        f"{name}={text!r} is not a boolean; expected 1/0, true/false, yes/no or on/off"
+    )
+
+
+def parse_precision(text: str) -> Precision:
+    value = text.strip().lower()
+    if value not in PRECISIONS:
+        raise ConfigError(f"DITOPS_PRECISION={text!r} is not allowed; expected 'fast' or 'exact'")
+    return value  # type: ignore[return-value]
+
+
+@dataclass(frozen=True)
+class Config:
+    """The settings in force. ``version`` changes whenever they do (dispatch caches key on it)."""
+
+    custom_ops: OpsSelection = field(default_factory=OpsSelection)
+    strict: bool = False
+    precision: Precision = "fast"
+    version: int = 0
+
+
+def from_env(environ: dict[str, str] | None = None) -> Config:
+    """Build a Config from environment variables (``os.environ`` by default)."""
+    env = os.environ if environ is None else environ
+    return Config(
+        custom_ops=parse_custom_ops(env.get("DITOPS_CUSTOM_OPS", "all")),
+        strict=parse_bool("DITOPS_STRICT", env.get("DITOPS_STRICT", "0")),
+        precision=parse_precision(env.get("DITOPS_PRECISION", "fast")),
+    )
+
+
+_lock = threading.Lock()
+_current: Config | None = None
+_counter = 0
+
+
+def _install(cfg: Config) -> Config:
+    global _current, _counter
+    _counter += 1
+    _current = replace(cfg, version=_counter)
+    return _current
+
+
+def get() -> Config:
+    """The settings in force (reads the environment on first use)."""
+    cfg = _current
+    if cfg is None:
+        with _lock:
+            cfg = _current if _current is not None else _install(from_env())
+    return cfg
+
+
+def reload() -> Config:
+    """Read the environment again, dropping settings made with :func:`configure`."""
+    with _lock:
+        return _install(from_env())
+
+
+def _updated(
+    base: Config,
+    custom_ops: str | None,
+    strict: bool | None,
+    precision: str | None,
+) -> Config:
+    cfg = base
+    if custom_ops is not None:
+        cfg = replace(cfg, custom_ops=parse_custom_ops(custom_ops))
+    if strict is not None:
+        if not isinstance(strict, bool):
+            raise ConfigError(f"strict must be a bool, got {strict!r}")
+        cfg = replace(cfg, strict=strict)
+    if precision is not None:
+        cfg = replace(cfg, precision=parse_precision(precision))
+    return cfg
+
+
+def configure(
+    *, custom_ops: str | None = None, strict: bool | None = None, precision: str | None = None
+) -> Config:
+    """Change the process-wide settings from code; ``None`` leaves a setting as it is.
+
+    ``custom_ops`` takes the ``DITOPS_CUSTOM_OPS`` syntax.
+    """
+    new = _updated(get(), custom_ops, strict, precision)
+    with _lock:
+        return _install(new)
+
+
+@contextlib.contextmanager
+def override(
+    *, custom_ops: str | None = None, strict: bool | None = None, precision: str | None = None
+) -> Iterator[Config]:
+    """Change the settings inside a ``with`` block, restoring the previous ones after it."""
+    saved = get()
+    new = _updated(saved, custom_ops, strict, precision)
+    with _lock:
+        cfg = _install(new)
+    try:
+        yield cfg
+    finally:
+        with _lock:
+            _install(saved)

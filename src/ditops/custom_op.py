@@ -1,0 +1,407 @@
+"""CustomOp: one meaning per op, a fast path per device kind, chosen per call.
+
+An op is an ``nn.Module`` registered under a unique name with :func:`register_op`.
+It defines ``forward_native`` (the meaning, plain PyTorch) and any of
+``forward_cpu``, ``forward_cuda``, ``forward_hip``, ``forward_xpu``, ``forward_npu``,
+each decorated with :func:`fast_path` to say what it needs (a backend), what it
+promises (precisions) and what it accepts (dtypes, inference only).
+
+:meth:`CustomOp.dispatch` picks, for the device kind of the first tensor argument,
+that kind's fast path when nothing rules it out, else ``forward_native``. What rules
+a path out is kept as plain-language reasons, so :func:`explain` (and ``ditops info``)
+can say why each path was or was not taken, the way xformers' dispatcher does.
+
+The static part of a choice (config, backend probe, earlier failures) is cached per
+(op, device kind, precision); the per-call part (dtype, grad) is a few attribute
+reads. A fast path that raises at run time falls back to ``forward_native`` for that
+call and every later call on that device kind, with one warning per (op, backend);
+in strict mode (``DITOPS_STRICT=1``) every backend problem raises
+:class:`BackendUnavailableError` instead.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, TypeVar
+
+import torch
+from torch import nn
+
+from ditops import config
+from ditops.backends.base import Backend
+from ditops.platform import DEVICE_KINDS, device_kind
+
+logger = logging.getLogger("ditops")
+
+NATIVE = "forward_native"
+
+
+class BackendUnavailableError(RuntimeError):
+    """Strict mode: a fast path could not be used. The message says why and what to install."""
+
+
+@dataclass(frozen=True)
+class PathSpec:
+    """What a ``forward_<kind>`` needs, promises and accepts (set by :func:`fast_path`)."""
+
+    backend: Backend | None = None
+    precisions: frozenset[str] = frozenset({"fast"})
+    dtypes: frozenset[torch.dtype] | None = None
+    inference_only: bool = False
+
+    def accepts(self) -> str:
+        """What this path takes, in words (for explanations)."""
+        parts = [f"precision {'/'.join(sorted(self.precisions))}"]
+        if self.dtypes is not None:
+            names = sorted(str(d).replace("torch.", "") for d in self.dtypes)
+            parts.append(f"dtypes {'/'.join(names)}")
+        if self.inference_only:
+            parts.append("inference only (no autograd)")
+        if self.backend is not None:
+            parts.append(f"needs {self.backend.name}")
+        return ", ".join(parts)
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def fast_path(
+    *,
+    backend: Backend | None = None,
+    precisions: Iterable[str] = ("fast",),
+    dtypes: Iterable[torch.dtype] | None = None,
+    inference_only: bool = False,
+) -> Callable[[F], F]:
+    """Declare a ``forward_<kind>`` method as a fast path.
+
+    Args:
+        backend: the optional library it calls; probed lazily, on first use.
+        precisions: which of ``"fast"``/``"exact"`` this path honours. The path reads
+            the one in force with :meth:`CustomOp.resolved_precision`.
+        dtypes: dtypes the tensor arguments may have (``None``: any).
+        inference_only: the path has no autograd support; it is skipped when a
+            gradient is needed (grad mode on and an input or parameter requires grad).
+    """
+    precs = frozenset(precisions)
+    bad = precs - set(config.PRECISIONS)
+    if bad or not precs:
+        raise ValueError(f"fast_path precisions must be a non-empty subset of {config.PRECISIONS}")
+    spec = PathSpec(
+        backend=backend,
+        precisions=precs,
+        dtypes=None if dtypes is None else frozenset(dtypes),
+        inference_only=inference_only,
+    )
+
+    def decorate(fn: F) -> F:
+        fn._ditops_path = spec  # type: ignore[attr-defined]
+        return fn
+
+    return decorate
+
+
+@dataclass
+class PathReport:
+    """Why one path was or was not chosen."""
+
+    path: str
+    reasons: list[str] = field(default_factory=list)
+    accepts: str = ""
+
+    @property
+    def usable(self) -> bool:
+        return not self.reasons
+
+
+@dataclass
+class Decision:
+    """The static choice for one (op, device kind, precision)."""
+
+    op: str
+    device_kind: str
+    precision: str
+    chosen: str
+    candidates: list[PathReport]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "op": self.op,
+            "device_kind": self.device_kind,
+            "precision": self.precision,
+            "chosen": self.chosen,
+            "candidates": [
+                {"path": c.path, "usable": c.usable, "reasons": c.reasons, "accepts": c.accepts}
+                for c in self.candidates
+            ],
+        }
+
+
+# --- process-wide state -----------------------------------------------------------------
+
+_registry: dict[str, type[CustomOp]] = {}
+_state_lock = threading.Lock()
+# (op name, device kind) -> why its fast path was given up at run time.
+_broken: dict[tuple[str, str], str] = {}
+# (op name, backend name) pairs already warned about.
+_warned: set[tuple[str, str]] = set()
+# Bumped when _broken changes, so cached plans are recomputed.
+_state_version = 0
+
+
+def register_op(name: str) -> Callable[[type[C]], type[C]]:
+    """Class decorator: register a CustomOp subclass under a unique name."""
+    if not name or not name.replace("_", "").isalnum():
+        raise ValueError(f"op names are identifiers made of letters, digits and '_', got {name!r}")
+
+    def decorate(cls: type[C]) -> type[C]:
+        if not (isinstance(cls, type) and issubclass(cls, CustomOp)):
+            raise TypeError(f"register_op({name!r}) decorates CustomOp subclasses, got {cls!r}")
+        existing = _registry.get(name)
+        if existing is not None and existing is not cls:
+            raise ValueError(
+                f"an op named {name!r} is already registered ({existing.__module__}."
+                f"{existing.__qualname__}); op names must be unique"
+            )
+        cls.op_name = name
+        cls._plans = {}
+        _registry[name] = cls
+        return cls
+
+    return decorate
+
+
+def registered_ops() -> dict[str, type[CustomOp]]:
+    """All registered op classes by name."""
+    return dict(_registry)
+
+
+def reset_state() -> None:
+    """Forget backend probes, run-time failures, warnings given and cached plans.
+
+    For tests that install or remove (fake) packages within one process.
+    """
+    global _state_version
+    from ditops.backends.npu import all_backends
+    from ditops.backends.triton import TRITON
+
+    with _state_lock:
+        _broken.clear()
+        _warned.clear()
+        _state_version += 1
+    for backend in [TRITON, *all_backends()]:
+        backend.reset()
+    for cls in _registry.values():
+        cls._plans = {}
+
+
+def _first_tensor(args: tuple[Any, ...], kwargs: dict[str, Any]) -> torch.Tensor | None:
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            return a
+    for a in kwargs.values():
+        if isinstance(a, torch.Tensor):
+            return a
+    return None
+
+
+def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[torch.Tensor]:
+    for a in (*args, *kwargs.values()):
+        if isinstance(a, torch.Tensor):
+            yield a
+
+
+@dataclass(frozen=True)
+class _Plan:
+    method: Callable[..., Any] | None  # the fast path to try, or None for native
+    spec: PathSpec | None
+    decision: Decision
+
+
+C = TypeVar("C", bound="CustomOp")
+
+
+class CustomOp(nn.Module):
+    """Base class of every ditops op. See the module docstring."""
+
+    op_name: ClassVar[str] = ""
+    _plans: ClassVar[dict[tuple[str, str, int, int], _Plan]] = {}
+    #: Per-module precision; ``None`` follows the process setting (``DITOPS_PRECISION``).
+    precision: str | None = None
+
+    # -- what subclasses provide ----------------------------------------------------------
+
+    def forward_native(self, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(f"{type(self).__name__} must define forward_native")
+
+    def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
+        """Op-specific reasons the fast path for ``kind`` cannot take these inputs."""
+        return []
+
+    # -- dispatch -------------------------------------------------------------------------
+
+    def resolved_precision(self) -> str:
+        """The precision this call must honour: the module's, else the process setting."""
+        return self.precision or config.get().precision
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.dispatch(*args, **kwargs)
+
+    def dispatch(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the best usable path for these inputs' device kind."""
+        first = _first_tensor(args, kwargs)
+        kind = device_kind(first) if first is not None else "cpu"
+        plan = self._plan(kind, self.resolved_precision())
+        if plan.method is None or self._call_reasons(plan.spec, kind, args, kwargs):
+            return self.forward_native(*args, **kwargs)
+        if torch.compiler.is_compiling():
+            # Under torch.compile the fast path is traced (its kernels are opaque custom
+            # ops); a failure there is a compile error, not a run-time fallback.
+            return plan.method(self, *args, **kwargs)
+        try:
+            return plan.method(self, *args, **kwargs)
+        except Exception as exc:  # noqa: BLE001 - any kernel failure must fall back, not crash
+            self._give_up(kind, plan.spec, exc)
+            return self.forward_native(*args, **kwargs)
+
+    def _call_reasons(
+        self, spec: PathSpec | None, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
+    ) -> list[str]:
+        reasons: list[str] = []
+        if spec is not None and spec.dtypes is not None:
+            for t in _tensors(args, kwargs):
+                if t.is_floating_point() and t.dtype not in spec.dtypes:
+                    reasons.append(f"dtype {str(t.dtype).replace('torch.', '')} not supported")
+                    break
+        if spec is not None and spec.inference_only and torch.is_grad_enabled():
+            needs_grad = any(t.requires_grad for t in _tensors(args, kwargs)) or any(
+                p.requires_grad for p in self.parameters(recurse=False)
+            )
+            if needs_grad:
+                reasons.append("grad enabled: this path has no backward")
+        reasons.extend(self.fast_path_reasons(kind, *args, **kwargs))
+        return reasons
+
+    def _give_up(self, kind: str, spec: PathSpec | None, exc: Exception) -> None:
+        global _state_version
+        backend = spec.backend.name if spec is not None and spec.backend is not None else kind
+        hint = spec.backend.install_hint if spec is not None and spec.backend is not None else ""
+        why = f"forward_{kind} raised {type(exc).__name__}: {exc}"
+        if config.get().strict:
+            raise BackendUnavailableError(
+                f"ditops op {self.op_name!r}: {why} (strict mode: not falling back). "
+                f"Unset DITOPS_STRICT to fall back to forward_native. {hint}"
+            ) from exc
+        with _state_lock:
+            _broken[(self.op_name, kind)] = why
+            _state_version += 1
+        self._warn_once(backend, f"{why}; using forward_native from now on for {kind} tensors")
+
+    @classmethod
+    def _warn_once(cls, backend: str, message: str) -> None:
+        """One warning per (op, backend) per process."""
+        key = (cls.op_name, backend)
+        with _state_lock:
+            if key in _warned:
+                return
+            _warned.add(key)
+        logger.warning("ditops op %r falls back to forward_native: %s", cls.op_name, message)
+
+    @classmethod
+    def _plan(cls, kind: str, precision: str) -> _Plan:
+        cfg = config.get()
+        key = (kind, precision, cfg.version, _state_version)
+        plan = cls._plans.get(key)
+        if plan is None:
+            plan = cls._make_plan(kind, precision, cfg)
+            cls._plans[key] = plan
+        return plan
+
+    @classmethod
+    def _make_plan(
+        cls, kind: str, precision: str, cfg: config.Config, quiet: bool = False
+    ) -> _Plan:
+        """Decide from config, backend probe and past failures. ``quiet``: for explanations
+        (no warning, no strict error, nothing cached)."""
+        cfg.custom_ops.check_names(_registry)
+        name = f"forward_{kind}"
+        method = getattr(cls, name, None)
+        spec: PathSpec | None = getattr(method, "_ditops_path", None)
+        candidates: list[PathReport] = []
+        if method is None or spec is None:
+            decision = Decision(
+                cls.op_name,
+                kind,
+                precision,
+                NATIVE,
+                [PathReport(name, [f"ditops has no {kind} fast path for this op"])],
+            )
+            return _Plan(None, None, decision)
+        reasons: list[str] = []
+        if not cfg.custom_ops.is_enabled(cls.op_name):
+            reasons.append(f"disabled by DITOPS_CUSTOM_OPS={cfg.custom_ops.text!r}")
+        if precision not in spec.precisions:
+            gives = "/".join(sorted(spec.precisions))
+            reasons.append(f"does not promise precision={precision!r} (it gives {gives})")
+        if not reasons and spec.backend is not None:
+            backend_reasons = spec.backend.probe()
+            if backend_reasons:
+                reasons.extend(backend_reasons)
+                message = "; ".join(backend_reasons)
+                if cfg.strict and not quiet:
+                    raise BackendUnavailableError(
+                        f"ditops op {cls.op_name!r}: {name} cannot run: {message} "
+                        "(strict mode: not falling back; unset DITOPS_STRICT to fall back)"
+                    )
+                if not quiet:
+                    cls._warn_once(spec.backend.name, message)
+        broken = _broken.get((cls.op_name, kind))
+        if broken is not None:
+            reasons.append(f"failed at run time earlier: {broken}")
+        candidates.append(PathReport(name, reasons, spec.accepts()))
+        chosen = NATIVE if reasons else name
+        decision = Decision(cls.op_name, kind, precision, chosen, candidates)
+        return _Plan(None if reasons else method, spec, decision)
+
+    def explain_call(self, *args: Any, **kwargs: Any) -> Decision:
+        """The choice :meth:`dispatch` would make for these very inputs, with reasons."""
+        first = _first_tensor(args, kwargs)
+        kind = device_kind(first) if first is not None else "cpu"
+        plan = self._plan(kind, self.resolved_precision())
+        decision = plan.decision
+        if plan.method is not None:
+            call = self._call_reasons(plan.spec, kind, args, kwargs)
+            if call:
+                report = PathReport(
+                    decision.candidates[0].path, call, decision.candidates[0].accepts
+                )
+                decision = Decision(decision.op, kind, decision.precision, NATIVE, [report])
+        return decision
+
+
+def explain(
+    op: str | None = None,
+    device_kinds: Iterable[str] | None = None,
+    precision: str | None = None,
+) -> list[Decision]:
+    """For every registered op (or ``op``) and device kind, the path that would run and why.
+
+    Probing happens here if it has not yet (it imports optional packages). In strict
+    mode a missing backend is reported, not raised.
+    """
+    names = [op] if op is not None else sorted(_registry)
+    for n in names:
+        if n not in _registry:
+            raise KeyError(f"no op named {n!r}; registered ops are: {', '.join(sorted(_registry))}")
+    kinds = list(device_kinds) if device_kinds is not None else list(DEVICE_KINDS)
+    prec = precision or config.get().precision
+    if prec not in config.PRECISIONS:
+        raise ValueError(f"precision must be one of {config.PRECISIONS}, got {prec!r}")
+    cfg = config.get()
+    return [
+        _registry[n]._make_plan(kind, prec, cfg, quiet=True).decision
+        for n in names
+        for kind in kinds
+    ]

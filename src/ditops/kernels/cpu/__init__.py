@@ -1,0 +1,1 @@
+"""Our own kernels, grouped by where they run. Kernels never import layers."""

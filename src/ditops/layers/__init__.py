@@ -1,0 +1,1 @@
+"""nn.Modules users put in models: each is a registered CustomOp."""
