@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from ditops import config
-from ditops.backends.base import Backend
+from ditops.backends.base import Backend, all_backends
 from ditops.platform import DEVICE_KINDS, device_kind
 
 logger = logging.getLogger("ditops")
@@ -184,14 +184,11 @@ def reset_state() -> None:
     For tests that install or remove (fake) packages within one process.
     """
     global _state_version
-    from ditops.backends.npu import all_backends
-    from ditops.backends.triton import TRITON
-
     with _state_lock:
         _broken.clear()
         _warned.clear()
         _state_version += 1
-    for backend in [TRITON, *all_backends()]:
+    for backend in all_backends():
         backend.reset()
     for cls in _registry.values():
         cls._plans = {}

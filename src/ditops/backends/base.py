@@ -3,6 +3,14 @@
 from __future__ import annotations
 
 import threading
+import weakref
+
+_instances: weakref.WeakSet[Backend] = weakref.WeakSet()
+
+
+def all_backends() -> list[Backend]:
+    """Every Backend object created in this process."""
+    return list(_instances)
 
 
 class Backend:
@@ -21,6 +29,7 @@ class Backend:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._reasons: list[str] | None = None
+        _instances.add(self)
 
     def _probe(self) -> list[str]:
         raise NotImplementedError

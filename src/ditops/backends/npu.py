@@ -84,7 +84,3 @@ def attentions_op(name: str, *older_names: str) -> AttentionsOp:
     if backend is None:
         backend = _ops_cache.setdefault(key, AttentionsOp(key))
     return backend  # type: ignore[return-value]
-
-
-def all_backends() -> list[Backend]:
-    return list(_ops_cache.values())
