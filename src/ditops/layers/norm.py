@@ -52,6 +52,9 @@ class Fp32ParamCache:
             return None
         if param.dtype == torch.float32:
             return param
+        if torch.compiler.is_compiling():
+            # A compiled graph casts once per call inside the graph; no Python-side state.
+            return param.float()
         if (torch.is_grad_enabled() and param.requires_grad) or param.is_inference():
             # inference tensors have no version counter to key on.
             return param.float()
