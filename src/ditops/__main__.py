@@ -1,0 +1,7 @@
+"""``python -m ditops`` is the ``ditops`` command."""
+
+import sys
+
+from ditops.cli import main
+
+sys.exit(main())

@@ -1,0 +1,243 @@
+"""The benchmark harness behind ``ditops bench``: timing, ratios, progress, reports.
+
+A suite yields :class:`Case` objects: one input shape, several *variants* computing the
+same thing (``native``, ``compile``, ``exact``, ``fast``, ...) and a ``clone`` of the same
+bytes (the memory roofline). Every variant of a case is timed in the same run, so the
+report gives ratios (speedup over native, over ``torch.compile``, fraction of the clone's
+bandwidth) rather than lone absolute times, which on shared machines mean little.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field
+from typing import Any, TextIO
+
+import torch
+
+import ditops
+
+
+@dataclass
+class Case:
+    """One benchmarked shape: named variants that compute the same result."""
+
+    suite: str
+    name: str
+    variants: dict[str, Callable[[], Any]]
+    #: bytes a single pass must read and write (for GB/s); 0 when not meaningful.
+    bytes_moved: int = 0
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Result:
+    suite: str
+    case: str
+    variant: str
+    median_s: float
+    min_s: float
+    reps: int
+    params: dict[str, Any]
+    bytes_moved: int = 0
+    error: str = ""
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_moved / self.median_s / 1e9 if self.bytes_moved and self.median_s else 0.0
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "xpu":
+        torch.xpu.synchronize(device)  # type: ignore[attr-defined]
+
+
+def time_call(
+    fn: Callable[[], Any],
+    device: torch.device,
+    *,
+    warmup: int = 2,
+    min_reps: int = 5,
+    min_seconds: float = 0.5,
+    max_reps: int = 200,
+) -> tuple[float, float, int]:
+    """Median and minimum seconds of ``fn()``, after ``warmup`` calls (compiles, caches)."""
+    for _ in range(warmup):
+        fn()
+    _sync(device)
+    times: list[float] = []
+    start = time.perf_counter()
+    while len(times) < min_reps or (
+        time.perf_counter() - start < min_seconds and len(times) < max_reps
+    ):
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), min(times), len(times)
+
+
+class Progress:
+    """A progress bar on stderr (tqdm when installed, plain lines otherwise)."""
+
+    def __init__(self, total: int, desc: str, enabled: bool = True) -> None:
+        self._bar: Any = None
+        self._n = 0
+        self._total = total
+        self._desc = desc
+        self._enabled = enabled
+        if enabled:
+            try:
+                from tqdm import tqdm
+            except ImportError:
+                self._bar = None
+            else:
+                self._bar = tqdm(
+                    total=total, desc=desc, file=sys.stderr, leave=False, dynamic_ncols=True
+                )
+
+    def step(self, label: str) -> None:
+        self._n += 1
+        if not self._enabled:
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(label, refresh=False)
+            self._bar.update(1)
+        else:
+            print(f"[{self._n}/{self._total}] {self._desc}: {label}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def run_cases(
+    cases: Iterable[Case],
+    device: torch.device,
+    *,
+    n_steps: int,
+    desc: str,
+    progress: bool = True,
+    min_seconds: float = 0.5,
+) -> Iterator[Result]:
+    """Time every variant of every case, yielding results as they come."""
+    bar = Progress(n_steps, desc, progress)
+    try:
+        for case in cases:
+            for variant, fn in case.variants.items():
+                bar.step(f"{case.name} {variant}")
+                try:
+                    med, best, reps = time_call(fn, device, min_seconds=min_seconds)
+                    error = ""
+                except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
+                    med, best, reps, error = (
+                        float("nan"),
+                        float("nan"),
+                        0,
+                        f"{type(exc).__name__}: {exc}",
+                    )
+                yield Result(
+                    case.suite,
+                    case.name,
+                    variant,
+                    med,
+                    best,
+                    reps,
+                    case.params,
+                    case.bytes_moved,
+                    error,
+                )
+    finally:
+        bar.close()
+
+
+def ratios(
+    results: list[Result], baseline: str = "native", roofline: str = "clone"
+) -> list[dict[str, Any]]:
+    """One row per (case, variant): time, speedup over ``baseline`` and ``compile``, and
+    the fraction of the roofline's bandwidth (roofline time / variant time)."""
+    by_case: dict[tuple[str, str], dict[str, Result]] = {}
+    for r in results:
+        by_case.setdefault((r.suite, r.case), {})[r.variant] = r
+    rows = []
+    for (suite, case), variants in by_case.items():
+        base = variants.get(baseline)
+        comp = variants.get("compile")
+        roof = variants.get(roofline)
+        for name, r in variants.items():
+            row: dict[str, Any] = {
+                "suite": suite,
+                "case": case,
+                "variant": name,
+                "median_ms": r.median_s * 1e3,
+                "min_ms": r.min_s * 1e3,
+                "reps": r.reps,
+                "gbps": r.gbps,
+                "vs_native": base.median_s / r.median_s if base else None,
+                "vs_compile": comp.median_s / r.median_s if comp else None,
+                "of_clone_bw": roof.median_s / r.median_s if roof and r.bytes_moved else None,
+                "error": r.error,
+                **{f"p_{k}": v for k, v in r.params.items()},
+            }
+            rows.append(row)
+    return rows
+
+
+def _fmt(v: Any, spec: str) -> str:
+    if v is None or (isinstance(v, float) and v != v):
+        return "-"
+    return format(v, spec)
+
+
+def print_table(rows: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
+    """A plain-text table of :func:`ratios` rows."""
+    header = (
+        f"{'case':<28} {'variant':<10} {'ms':>9} {'GB/s':>7} "
+        f"{'x native':>9} {'x compile':>10} {'of clone':>9}"
+    )
+    suite = None
+    for row in rows:
+        if row["suite"] != suite:
+            suite = row["suite"]
+            print(f"\n== {suite}", file=out)
+            print(header, file=out)
+        line = (
+            f"{row['case']:<28} {row['variant']:<10} {_fmt(row['median_ms'], '9.2f')} "
+            f"{_fmt(row['gbps'] or None, '7.1f')} {_fmt(row['vs_native'], '9.2f')} "
+            f"{_fmt(row['vs_compile'], '10.2f')} {_fmt(row['of_clone_bw'], '9.2f')}"
+        )
+        if row["error"]:
+            line += f"  ERROR {row['error'][:80]}"
+        print(line, file=out)
+
+
+def machine_info(device: torch.device) -> dict[str, Any]:
+    info: dict[str, Any] = {
+        "ditops": ditops.__version__,
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "threads": torch.get_num_threads(),
+        "device": str(device),
+    }
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+    return info
+
+
+def write_json(path: str, payload: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(payload, f, indent=2, default=str)
+        f.write("\n")
+
+
+def results_as_dicts(results: list[Result]) -> list[dict[str, Any]]:
+    return [asdict(r) for r in results]

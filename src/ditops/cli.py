@@ -1,0 +1,152 @@
+"""The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
+
+ditops info [--json] [--precision fast|exact]
+ditops bench [SUITE ...] [--size small|full] [--device DEV] [--json PATH] [--no-progress]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ditops import config
+from ditops.custom_op import explain
+from ditops.platform import platform_summary
+
+
+def _info(args: argparse.Namespace) -> int:
+    decisions = explain(precision=args.precision)
+    cfg = config.get()
+    payload: dict[str, Any] = {
+        "platform": platform_summary(),
+        "config": {
+            "DITOPS_CUSTOM_OPS": cfg.custom_ops.text,
+            "DITOPS_STRICT": cfg.strict,
+            "DITOPS_PRECISION": cfg.precision,
+        },
+        "precision": args.precision or cfg.precision,
+        "ops": [d.as_dict() for d in decisions],
+    }
+    if args.json:
+        print(json.dumps(payload, indent=2, default=str))
+        return 0
+    plat = payload["platform"]
+    print(f"torch {plat['torch']}  (cuda {plat['cuda_runtime']}, hip {plat['hip_runtime']})")
+    seen = ", ".join(f"{k}: {v}" for k, v in plat["visible_devices"].items())
+    print(f"visible devices: {seen}")
+    print("config: " + ", ".join(f"{k}={v}" for k, v in payload["config"].items()))
+    print(f"precision explained: {payload['precision']}")
+    current = None
+    for d in decisions:
+        if d.op != current:
+            current = d.op
+            print(f"\n{d.op}")
+        mark = "*" if d.chosen != "forward_native" else " "
+        absent = "" if plat["visible_devices"].get(d.device_kind) else "   (no such device here)"
+        print(f"  {mark} {d.device_kind:<5} -> {d.chosen}{absent}")
+        for c in d.candidates:
+            if c.reasons:
+                for r in c.reasons:
+                    print(f"        {c.path} not used: {r}")
+            if c.accepts:
+                print(f"        {c.path} takes: {c.accepts}")
+    print("\n* = a fast path; per-call conditions (dtype, grad) are listed under 'takes'.")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from ditops.bench.harness import machine_info, print_table, ratios, run_cases, write_json
+    from ditops.bench.suites import all_suites
+
+    suites = all_suites()
+    names = args.suites or (["wan"] if "wan" in suites else sorted(suites))
+    unknown = [n for n in names if n not in suites]
+    if unknown:
+        print(
+            f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
+            f"available: {', '.join(sorted(suites))}",
+            file=sys.stderr,
+        )
+        return 2
+    device = torch.device(args.device) if args.device else _default_device()
+    results = []
+    for name in names:
+        suite = suites[name]
+        print(
+            f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}", file=sys.stderr
+        )
+        results.extend(
+            run_cases(
+                suite.cases(device, args.size),
+                device,
+                n_steps=suite.steps(args.size),
+                desc=name,
+                progress=not args.no_progress,
+                min_seconds=args.min_seconds,
+            )
+        )
+    rows = ratios(results)
+    print_table(rows)
+    if args.json:
+        write_json(
+            args.json,
+            {"machine": machine_info(device), "command": " ".join(sys.argv), "rows": rows},
+        )
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0
+
+
+def _default_device() -> torch.device:
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ditops", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    info = sub.add_parser("info", help="explain which path every op takes on every device kind")
+    info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument(
+        "--precision",
+        choices=config.PRECISIONS,
+        default=None,
+        help="explain for this precision (default: DITOPS_PRECISION)",
+    )
+    bench = sub.add_parser(
+        "bench", help="measure ops (and a small Wan model) native against ditops"
+    )
+    bench.add_argument(
+        "suites",
+        nargs="*",
+        help="suites to run (default: the Wan model when available, else every op suite)",
+    )
+    bench.add_argument(
+        "--size",
+        choices=("small", "full"),
+        default="small",
+        help="small: a few minutes on 2 CPU cores; full: every shape",
+    )
+    bench.add_argument(
+        "--device", default=None, help="torch device (default: cuda if available, else cpu)"
+    )
+    bench.add_argument("--json", default=None, metavar="PATH", help="also write results as JSON")
+    bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
+    bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    if args.command == "info":
+        return _info(args)
+    return _bench(args)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
