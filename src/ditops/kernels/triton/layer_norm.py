@@ -1,0 +1,409 @@
+"""Triton LayerNorm in fp32 for GPUs (cuda, hip, xpu), with an optional fused modulation.
+
+One kernel, ``_layer_norm_kernel``, normalises rows of ``[B, L, C]`` views in fp32 and
+rounds once to the output dtype. Compile-time flags add a prologue (the gated residual
+``residual.float() + x * gate``, rounded to the residual's dtype and stored) and an
+epilogue (``* (1 + scale) + shift``); ``modulation.py`` builds its ops on them, so the
+row statistics, the normalisation and the rounding live in one place.
+
+Numerics
+    Statistics are two-pass within registers: the mean, then the sum of squared
+    deviations from it (stable for rows with a large mean). Rows wider than
+    ``MAX_FUSED_C`` are processed in column chunks whose moments are merged with Chan's
+    formula. Divisions and the square root are the correctly rounded ``div_rn`` /
+    ``sqrt_rn`` (Triton's ``/`` on GPUs is an approximate division). The result can
+    still differ from PyTorch's by a few fp32 ulps (other summation order), so the op
+    is a "fast" path: at most 1 ulp of a low-precision output dtype, rarely.
+    Every launch passes ``enable_fp_fusion=False``: a multiply followed by an add is
+    never contracted into an FMA, so the element-wise steps round as eager PyTorch
+    does (that is what makes the gated residual bitwise equal to eager).
+
+Rounding decision
+    Triton's interpreter (``TRITON_INTERPRET=1``, used by the CPU tests) truncates on
+    fp32 -> bf16 casts, while GPUs round to nearest even. ``round_rne`` therefore rounds
+    fp32 to bf16 with integer arithmetic on the bits (NaN kept as is) before the cast,
+    which is then exact on both. The same code runs on GPUs and in the interpreter, so
+    the tests check the GPU rounding and can assert bitwise equality wherever the math
+    is the same as eager (the gated residual); they allow 1 ulp for normalised outputs.
+    fp16 casts round to nearest even on both already. Cost: four integer operations per
+    element, nothing next to the memory traffic.
+
+Bandwidth model (``fp32_layer_norm``; ``s_in``/``s_out`` = element sizes in bytes)
+    One pass over memory: each element is read once and written once, so
+    ``s_in + s_out`` bytes per element (bf16 -> bf16: 4 B, fp32 -> fp32: 8 B); weight
+    and bias are ``C`` elements per row block, served from cache. Rows wider than
+    ``MAX_FUSED_C`` read the input twice (statistics, then output; the second read
+    mostly from L2): ``2 * s_in + s_out``. Compare with a clone of ``x``
+    (``2 * s_in`` for same-dtype output): the target is >= 85% of its bandwidth.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+
+# Widest row held in registers in one block; wider rows loop over column chunks.
+MAX_FUSED_C = 16384
+# Column chunk of the looped path.
+LOOP_BLOCK_C = 4096
+# Target elements per program for narrow rows (several rows per program).
+TILE_ELEMENTS = 2048
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.bfloat16: tl.bfloat16, torch.float16: tl.float16}
+
+
+# ----------------------------------------------------------------------------------------
+# Shared @triton.jit helpers (also used by modulation.py)
+# ----------------------------------------------------------------------------------------
+
+
+@triton.jit
+def round_rne(x, DTYPE: tl.constexpr):
+    """Round fp32 ``x`` to ``DTYPE`` to nearest even, alike on GPUs and in the interpreter."""
+    if DTYPE == tl.bfloat16:
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        # The carry would turn some NaN payloads into zeros or infinities: keep NaN.
+        x = tl.where(x != x, x, bits.to(tl.float32, bitcast=True))
+    return x.to(DTYPE)
+
+
+@triton.jit
+def split_rows(rows, L):
+    """(b, l) of flat row indices over a ``[B, L]`` grid of rows, in int64."""
+    rows = rows.to(tl.int64)
+    b = rows // L
+    return b, rows - b * L
+
+
+@triton.jit
+def modulation_rows(b, tok, T, stride_b, stride_g):
+    """Offsets of the modulation rows of tokens (b, tok) in a ``[Bm, G, C]`` tensor.
+
+    Token tok of batch b uses row (b, tok // T) with T = L // G tokens per group; the host
+    passes stride_b = 0 when Bm == 1 and stride_g = 0 when G == 1.
+    """
+    return b * stride_b + (tok // T) * stride_g
+
+
+@triton.jit
+def load_2d(ptr, row_off, cols, col_stride, mask):
+    """Load a ``[rows, cols]`` tile as fp32 (masked lanes read 0)."""
+    return tl.load(ptr + row_off[:, None] + cols[None, :] * col_stride, mask=mask, other=0.0).to(
+        tl.float32
+    )
+
+
+@triton.jit
+def gated_sum(
+    R, X, G, r_off, x_off, g_off, cols, g_col_stride, mask,
+    HAS_GATE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+):  # fmt: skip
+    """``residual.float() + x * gate`` in fp32 with eager's rounding of the product.
+
+    Eager multiplies ``x * gate`` in their promoted dtype ``PROD_DTYPE``: two bf16 (or
+    fp16) operands give a product rounded to that dtype before the fp32 addition. The
+    fp32 product of two such operands is exact, so rounding it once is eager's result.
+    """
+    r = load_2d(R, r_off, cols, 1, mask)
+    x = load_2d(X, x_off, cols, 1, mask)
+    if HAS_GATE:
+        x = x * load_2d(G, g_off, cols, g_col_stride, mask)
+        if PROD_DTYPE != tl.float32:
+            x = round_rne(x, PROD_DTYPE).to(tl.float32)
+    return r + x
+
+
+@triton.jit
+def _ln_input(
+    R, X, G, NewRes, r_off, x_off, g_off, o_off, cols, g_sc, mask,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+    STORE_RESIDUAL: tl.constexpr,
+):  # fmt: skip
+    """The fp32 values to normalise: x, or the new residual rounded to its dtype (stored)."""
+    if HAS_RESIDUAL:
+        h = gated_sum(R, X, G, r_off, x_off, g_off, cols, g_sc, mask, HAS_GATE, PROD_DTYPE)
+        h = round_rne(h, NewRes.dtype.element_ty)
+        if STORE_RESIDUAL:
+            tl.store(NewRes + o_off[:, None] + cols[None, :], h, mask=mask)
+        v = h.to(tl.float32)
+    else:
+        v = load_2d(X, x_off, cols, 1, mask)
+    return tl.where(mask, v, 0.0)
+
+
+@triton.jit
+def row_moments(v, mask, n):
+    """Mean and sum of squared deviations of each row of ``v`` over ``mask``; n lanes per row."""
+    mean = tl.math.div_rn(tl.sum(v, axis=1), n)
+    d = tl.where(mask, v - mean[:, None], 0.0)
+    return mean, tl.sum(d * d, axis=1)
+
+
+@triton.jit
+def _normalize_store(
+    v, mean, rstd, cols, mask, o_off, W, Bias, Scale, Shift, Out,
+    sc_off, sc_sc, sh_off, sh_sc, C,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MOD: tl.constexpr,
+):  # fmt: skip
+    """Normalise a tile, apply the affine weights and the modulation, round once, store."""
+    y = (v - mean[:, None]) * rstd[:, None]
+    cmask = cols < C
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_B:
+        y = y + tl.load(Bias + cols, mask=cmask, other=0.0).to(tl.float32)[None, :]
+    if HAS_MOD:
+        # Eager computes 1 + scale in scale's dtype, then multiplies and adds in fp32.
+        s = 1.0 + load_2d(Scale, sc_off, cols, sc_sc, mask)
+        if Scale.dtype.element_ty != tl.float32:
+            s = round_rne(s, Scale.dtype.element_ty).to(tl.float32)
+        y = y * s + load_2d(Shift, sh_off, cols, sh_sc, mask)
+    tl.store(Out + o_off[:, None] + cols[None, :], round_rne(y, Out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _layer_norm_kernel(
+    R, X, G, W, Bias, Scale, Shift, Out, NewRes,
+    M, L, C, eps,
+    r_sb, r_sl, x_sb, x_sl,
+    g_sb, g_sg, g_t, g_sc,
+    sc_sb, sc_sg, sc_t, sc_sc,
+    sh_sb, sh_sg, sh_t, sh_sc,
+    HAS_RESIDUAL: tl.constexpr, HAS_GATE: tl.constexpr, PROD_DTYPE: tl.constexpr,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, HAS_MOD: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, LOOP: tl.constexpr,
+):  # fmt: skip
+    """LayerNorm of BLOCK_M rows of a [B, L, C] view, with the optional prologue/epilogue.
+
+    Outputs (Out, NewRes) are contiguous [M, C]; inputs have row strides (b, l) and
+    column stride 1; modulation tensors are [Bm, G, C] with any strides.
+    """
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = rows < M
+    b, tok = split_rows(rows, L)
+    x_off = b * x_sb + tok * x_sl
+    r_off = b * r_sb + tok * r_sl
+    o_off = rows.to(tl.int64) * C
+    g_off = modulation_rows(b, tok, g_t, g_sb, g_sg)
+    sc_off = modulation_rows(b, tok, sc_t, sc_sb, sc_sg)
+    sh_off = modulation_rows(b, tok, sh_t, sh_sb, sh_sg)
+    n = tl.cast(C, tl.float32)
+    if not LOOP:
+        cols = tl.arange(0, BLOCK_C)
+        mask = rmask[:, None] & (cols < C)[None, :]
+        v = _ln_input(R, X, G, NewRes, r_off, x_off, g_off, o_off, cols, g_sc, mask,
+                      HAS_RESIDUAL, HAS_GATE, PROD_DTYPE, True)  # fmt: skip
+        mean, m2 = row_moments(v, mask, n)
+    else:
+        # Pass 1: chunk moments merged with Chan's formula (the new residual is stored
+        # here); pass 2 recomputes the chunk's input rather than reading back a store.
+        mean = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m2 = tl.zeros([BLOCK_M], dtype=tl.float32)
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = rmask[:, None] & (cols < C)[None, :]
+            v = _ln_input(R, X, G, NewRes, r_off, x_off, g_off, o_off, cols, g_sc, mask,
+                          HAS_RESIDUAL, HAS_GATE, PROD_DTYPE, True)  # fmt: skip
+            n_a = tl.cast(c0, tl.float32)
+            n_b = tl.minimum(n - n_a, BLOCK_C)
+            mean_b, m2_b = row_moments(v, mask, n_b)
+            delta = mean_b - mean
+            frac = tl.math.div_rn(n_b, n_a + n_b)
+            mean = mean + delta * frac
+            m2 = m2 + m2_b + delta * delta * (n_a * frac)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(m2, n) + eps))
+    if not LOOP:
+        _normalize_store(v, mean, rstd, cols, mask, o_off, W, Bias, Scale, Shift, Out,
+                         sc_off, sc_sc, sh_off, sh_sc, C, HAS_W, HAS_B, HAS_MOD)  # fmt: skip
+    else:
+        for c0 in range(0, C, BLOCK_C):
+            cols = c0 + tl.arange(0, BLOCK_C)
+            mask = rmask[:, None] & (cols < C)[None, :]
+            v = _ln_input(R, X, G, NewRes, r_off, x_off, g_off, o_off, cols, g_sc, mask,
+                          HAS_RESIDUAL, HAS_GATE, PROD_DTYPE, False)  # fmt: skip
+            _normalize_store(v, mean, rstd, cols, mask, o_off, W, Bias, Scale, Shift, Out,
+                             sc_off, sc_sc, sh_off, sh_sc, C, HAS_W, HAS_B, HAS_MOD)  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------
+# Host side
+# ----------------------------------------------------------------------------------------
+
+
+def tl_dtype(dtype: torch.dtype) -> tl.dtype:
+    """The Triton dtype of a supported torch dtype."""
+    return _TL_DTYPES[dtype]
+
+
+def row_view(x: Tensor) -> tuple[Tensor, int, int, int]:
+    """Describe the rows of ``x`` (all dims but the last) as a ``[B, L]`` grid.
+
+    Returns ``(x, L, stride_b, stride_l)`` where row r sits at offset
+    ``(r // L) * stride_b + (r % L) * stride_l`` of the returned tensor, whose last dim
+    has stride 1. Leading dims are merged where their strides allow; ``x`` is made
+    contiguous only when the last stride is not 1 or three or more row dims remain.
+    """
+    if x.shape[-1] > 1 and x.stride(-1) != 1:
+        x = x.contiguous()
+    merged: list[list[int]] = []
+    for size, stride in zip(x.shape[:-1], x.stride()[:-1]):
+        if size == 1:
+            continue
+        if merged and merged[-1][1] == stride * size:
+            merged[-1] = [merged[-1][0] * size, stride]
+        else:
+            merged.append([size, stride])
+    if len(merged) > 2:
+        x = x.contiguous()
+        merged = [[x.numel() // x.shape[-1], x.shape[-1]]]
+    while len(merged) < 2:
+        merged.insert(0, [1, 0])
+    (_, stride_b), (length, stride_l) = merged
+    return x, length, stride_b, stride_l
+
+
+def _rows_3d(t: Tensor) -> tuple[Tensor, int, int]:
+    """``t`` with last stride 1 (copied only if needed), and its two row strides."""
+    if t.shape[-1] > 1 and t.stride(-1) != 1:
+        t = t.contiguous()
+    return t, t.stride(0), t.stride(1)
+
+
+def launch_config(n_rows: int, c: int, max_block_c: int) -> tuple[int, int, bool, int]:
+    """(BLOCK_M, BLOCK_C, LOOP, num_warps) for rows of width ``c``."""
+    if c <= max_block_c:
+        block_c = triton.next_power_of_2(c)
+        block_m = min(max(1, TILE_ELEMENTS // block_c), triton.next_power_of_2(n_rows))
+        loop = False
+    else:
+        block_c, block_m, loop = min(LOOP_BLOCK_C, triton.next_power_of_2(max_block_c)), 1, True
+    num_warps = min(16, max(1, block_m * block_c // 256))
+    return block_m, block_c, loop, num_warps
+
+
+def modulation_args(m: Tensor | None, length: int) -> tuple[int, int, int, int]:
+    """(stride_b, stride_g, tokens per group, stride_c) of a [Bm, G, C] modulation tensor."""
+    if m is None:
+        return 0, 0, 1, 0
+    bm, g, c = m.shape
+    return (
+        m.stride(0) if bm > 1 else 0,
+        m.stride(1) if g > 1 else 0,
+        max(1, length // g),
+        m.stride(2) if c > 1 else 0,
+    )
+
+
+def launch_layer_norm(
+    x: Tensor,
+    out: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    eps: float,
+    *,
+    residual: Tensor | None = None,
+    gate: Tensor | None = None,
+    new_residual: Tensor | None = None,
+    scale: Tensor | None = None,
+    shift: Tensor | None = None,
+    max_block_c: int = MAX_FUSED_C,
+) -> None:
+    """Launch ``_layer_norm_kernel`` (inputs already validated; outputs contiguous).
+
+    Without ``residual``, normalises ``x``; with it, normalises the new residual
+    ``residual.float() + x * gate`` rounded to ``new_residual``'s dtype and stores it too.
+    ``scale``/``shift`` (both or neither) are [Bm, G, C] and apply ``* (1 + scale) + shift``.
+    """
+    c = x.shape[-1]
+    n_rows = x.numel() // c if c else 0
+    if n_rows == 0 or c == 0:
+        return
+    r_sb = r_sl = 0
+    if residual is None and gate is None and scale is None:
+        x, length, x_sb, x_sl = row_view(x)
+    else:
+        # Modulation rows are indexed by (b, l) of the 3-D [B, L, C] input: keep its dims.
+        length = x.shape[1]
+        x, x_sb, x_sl = _rows_3d(x)
+        if residual is not None:
+            residual, r_sb, r_sl = _rows_3d(residual)
+    prod_dtype = tl.float32
+    if gate is not None:
+        prod_dtype = tl_dtype(torch.promote_types(x.dtype, gate.dtype))
+    block_m, block_c, loop, num_warps = launch_config(n_rows, c, max_block_c)
+    w = weight.contiguous() if weight is not None else None
+    b = bias.contiguous() if bias is not None else None
+    grid = (triton.cdiv(n_rows, block_m),)
+    _layer_norm_kernel[grid](
+        residual if residual is not None else x, x, gate if gate is not None else x,
+        w if w is not None else x, b if b is not None else x,
+        scale if scale is not None else x, shift if shift is not None else x,
+        out, new_residual if new_residual is not None else out,
+        n_rows, length, c, eps,
+        r_sb, r_sl, x_sb, x_sl,
+        *modulation_args(gate, length),
+        *modulation_args(scale, length),
+        *modulation_args(shift, length),
+        HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, PROD_DTYPE=prod_dtype,
+        HAS_W=w is not None, HAS_B=b is not None, HAS_MOD=scale is not None,
+        BLOCK_M=block_m, BLOCK_C=block_c, LOOP=loop,
+        num_warps=num_warps, enable_fp_fusion=False,
+    )  # fmt: skip
+
+
+def check_float(name: str, t: Tensor, device: torch.device) -> None:
+    """TypeError unless ``t`` is a supported floating dtype; ValueError if on another device."""
+    if not isinstance(t, Tensor):
+        raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+    if t.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(f"{name} has dtype {t.dtype}; expected one of float32, bfloat16, float16")
+    if t.device != device:
+        raise ValueError(f"{name} is on {t.device}; expected the input's device {device}")
+
+
+def check_affine(weight: Tensor | None, bias: Tensor | None, c: int, device: torch.device) -> None:
+    """Validate optional LayerNorm weight and bias of shape [C]."""
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is None:
+            continue
+        check_float(name, t, device)
+        if tuple(t.shape) != (c,):
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; expected ({c},)")
+
+
+def new_output(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
+    """A fresh contiguous tensor shaped like ``t`` (the ops' outputs and their fakes)."""
+    return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
+
+
+@torch.library.custom_op("ditops::triton_fp32_layer_norm", mutates_args=())
+def _triton_fp32_layer_norm(
+    x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
+) -> Tensor:
+    out = new_output(x)
+    launch_layer_norm(x, out, weight, bias, eps)
+    return out
+
+
+_triton_fp32_layer_norm.register_fake(lambda x, weight, bias, eps: new_output(x))
+
+
+def fp32_layer_norm(
+    x: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, eps: float = 1e-5
+) -> Tensor:
+    """LayerNorm over the last dim computed in fp32 and rounded once to ``x.dtype``.
+
+    Means ``F.layer_norm(x.float(), (C,), weight.float(), bias.float(), eps).to(x.dtype)``
+    (weight and bias optional, fp32 or low precision). Any rank >= 1 and any strides;
+    the output is contiguous. Precision: "fast" (see the module docstring).
+    """
+    check_float("x", x, x.device)
+    if x.dim() == 0:
+        raise ValueError("x must have at least one dim (the normalised one); got a scalar")
+    check_affine(weight, bias, x.shape[-1], x.device)
+    return _triton_fp32_layer_norm(x, weight, bias, float(eps))
