@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
+from ditops.integrations import PatchError, patch, set_step, unpatch
 from ditops.layers.norm import FP32LayerNorm
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
@@ -16,11 +17,15 @@ __all__ = [
     "BackendUnavailableError",
     "CustomOp",
     "FP32LayerNorm",
+    "PatchError",
     "configure",
     "device_kind",
     "explain",
     "force_device_kind",
     "override",
+    "patch",
     "registered_ops",
+    "set_step",
+    "unpatch",
     "visible_devices",
 ]

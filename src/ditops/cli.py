@@ -64,18 +64,22 @@ def _bench(args: argparse.Namespace) -> int:
     from ditops.bench.suites import all_suites
 
     suites = all_suites()
-    names = args.suites or (["wan"] if "wan" in suites else sorted(suites))
-    unknown = [n for n in names if n not in suites]
+    names = args.suites or ["wan"]
+    unknown = [n for n in names if n not in suites and n != "wan"]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: {', '.join(sorted(suites))}",
+            f"available: wan, {', '.join(sorted(suites))}",
             file=sys.stderr,
         )
         return 2
     device = torch.device(args.device) if args.device else _default_device()
     results = []
+    payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
     for name in names:
+        if name == "wan":
+            payload["wan"] = _bench_wan(args, device)
+            continue
         suite = suites[name]
         print(
             f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}", file=sys.stderr
@@ -90,15 +94,27 @@ def _bench(args: argparse.Namespace) -> int:
                 min_seconds=args.min_seconds,
             )
         )
-    rows = ratios(results)
-    print_table(rows)
+    if results:
+        payload["rows"] = ratios(results)
+        print_table(payload["rows"])
     if args.json:
-        write_json(
-            args.json,
-            {"machine": machine_info(device), "command": " ".join(sys.argv), "rows": rows},
-        )
+        write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    from ditops.bench import wan
+
+    where = f"--model {args.model}" if args.model else "the built-in small Wan config"
+    print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
+    result = wan.run(
+        device, args.size, model_path=args.model, progress=not args.no_progress, plot_path=args.plot
+    )
+    wan.print_report(result)
+    if args.plot:
+        print(f"wrote {args.plot}", file=sys.stderr)
+    return result
 
 
 def _default_device() -> torch.device:
@@ -124,7 +140,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suites",
         nargs="*",
-        help="suites to run (default: the Wan model when available, else every op suite)",
+        help="wan (the default: a small Wan model end to end), layer_norm, modulation, attention",
     )
     bench.add_argument(
         "--size",
@@ -136,6 +152,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
     )
     bench.add_argument("--json", default=None, metavar="PATH", help="also write results as JSON")
+    bench.add_argument(
+        "--plot",
+        default="ditops-bench-wan.png",
+        metavar="PNG",
+        help="where the wan suite writes its plot ('' for none)",
+    )
+    bench.add_argument(
+        "--model",
+        default=None,
+        metavar="PATH",
+        help="wan suite: a local diffusers WanTransformer3DModel checkpoint (local files only)",
+    )
     bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser

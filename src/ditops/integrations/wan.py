@@ -1,0 +1,276 @@
+"""Patching diffusers' ``WanTransformer3DModel`` (Wan2.1, Wan2.2 A14B / TI2V, I2V).
+
+Each ``WanTransformerBlock`` computes, around its three sub-layers (diffusers 0.42)::
+
+    n = (norm1(h.float()) * (1 + scale_msa) + shift_msa).type_as(h)
+    h = (h.float() + attn1(n) * gate_msa).type_as(h)
+    n = norm2(h.float()).type_as(h)
+    h = h + attn2(n, text)
+    n = (norm3(h.float()) * (1 + c_scale_msa) + c_shift_msa).type_as(h)
+    h = (h.float() + ffn(n).float() * c_gate_msa).type_as(h)
+
+The patched block runs the same expressions on ditops' fused ops, each read once and
+rounded once: ``layer_norm_scale_shift`` for the first line, the fused
+``scale_residual_layer_norm_scale_shift`` for lines 2-3 and 4-5 (gate 1 for the plain
+residual add, which is the same fp32 add rounded once), and ``gated_residual`` for the
+last. In exact precision each is bitwise equal to those eager expressions.
+
+Self-attention (``attn1``) optionally runs block-sparse: a processor wraps diffusers'
+``WanAttnProcessor``, runs it unchanged on dense steps and runs ditops'
+:class:`~ditops.layers.attention.BlockSparseAttention` on sparse ones.
+
+Before changing anything, :func:`check` compares every block and processor against what
+this module was written for (types, sub-modules and a fingerprint of the source of
+``WanTransformerBlock.forward`` and ``WanAttnProcessor.__call__``): a model that does
+not match is refused whole, with the reason.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import inspect
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.patching import PatchError, PatchRecord, swap_norms
+from ditops.integrations.steps import StepState, attach_step_tracker, detach_step_tracker
+
+# sha256 (first 16 hex digits) of the stripped, non-empty source lines, per diffusers
+# version this module was checked against.
+KNOWN_BLOCK_FORWARD = {"318f5cac859c98ee": "diffusers 0.42"}
+KNOWN_ATTN_PROCESSOR = {"860a708317404b68": "diffusers 0.42"}
+
+
+def _fingerprint(fn: Any) -> str:
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return "unavailable"
+    lines = "\n".join(line.strip() for line in src.splitlines() if line.strip())
+    return hashlib.sha256(lines.encode()).hexdigest()[:16]
+
+
+def is_wan(model: nn.Module) -> bool:
+    return type(model).__name__ == "WanTransformer3DModel" and hasattr(model, "blocks")
+
+
+@dataclass
+class WanPlan:
+    blocks: list[nn.Module]
+
+
+def _iter_blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
+    yield from enumerate(model.blocks)  # type: ignore[arg-type]
+
+
+def check(model: nn.Module, *, norms: bool, attention: Any) -> WanPlan:
+    """Everything the patch relies on, checked before any change. Raises PatchError."""
+    import diffusers
+    from diffusers.models.transformers import transformer_wan
+
+    version = getattr(diffusers, "__version__", "?")
+    problems: list[str] = []
+    block_cls = transformer_wan.WanTransformerBlock
+    fp = _fingerprint(block_cls.forward)
+    if norms and fp not in KNOWN_BLOCK_FORWARD:
+        problems.append(
+            f"WanTransformerBlock.forward of diffusers {version} (fingerprint {fp}) differs "
+            f"from the versions ditops knows ({', '.join(KNOWN_BLOCK_FORWARD.values())})"
+        )
+    if attention is not None:
+        fp_attn = _fingerprint(transformer_wan.WanAttnProcessor.__call__)
+        if fp_attn not in KNOWN_ATTN_PROCESSOR:
+            problems.append(
+                f"WanAttnProcessor of diffusers {version} (fingerprint {fp_attn}) differs from "
+                f"the versions ditops knows ({', '.join(KNOWN_ATTN_PROCESSOR.values())})"
+            )
+    blocks = []
+    for i, block in _iter_blocks(model):
+        where = f"blocks[{i}]"
+        if type(block) is not block_cls:
+            problems.append(
+                f"{where} is a {type(block).__name__}, not diffusers' WanTransformerBlock"
+            )
+            continue
+        if "forward" in vars(block):
+            problems.append(
+                f"{where}.forward is already replaced (a hook: caching, offloading or another "
+                "patch); apply ditops.patch before enabling those"
+            )
+        for name in ("norm1", "norm3"):
+            norm = getattr(block, name, None)
+            if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+        norm2 = getattr(block, "norm2", None)
+        if not isinstance(norm2, (nn.LayerNorm, nn.Identity)):
+            problems.append(
+                f"{where}.norm2 is a {type(norm2).__name__}, not a LayerNorm or Identity"
+            )
+        table = getattr(block, "scale_shift_table", None)
+        if not isinstance(table, torch.Tensor) or table.dim() != 3 or table.shape[1] != 6:
+            problems.append(f"{where}.scale_shift_table is not a [1, 6, C] tensor")
+        if attention is not None:
+            proc = getattr(block.attn1, "processor", None)
+            if type(proc) is not transformer_wan.WanAttnProcessor:
+                problems.append(
+                    f"{where}.attn1.processor is a {type(proc).__name__}, not WanAttnProcessor"
+                )
+        blocks.append(block)
+    if problems:
+        listed = "\n  - ".join(problems[:8]) + ("\n  - ..." if len(problems) > 8 else "")
+        raise PatchError(
+            f"ditops.patch refuses this {type(model).__name__}; nothing was changed:\n  - {listed}"
+        )
+    return WanPlan(blocks)
+
+
+class _ModulationOps:
+    """One set of fused-op instances per patched model, carrying its precision."""
+
+    def __init__(self, precision: str | None) -> None:
+        from ditops.layers import modulation
+
+        self.ln_mod = modulation.LayerNormScaleShiftOp()
+        self.fused = modulation.ScaleResidualLayerNormScaleShiftOp()
+        self.gated = modulation.GatedResidualOp()
+        for op in (self.ln_mod, self.fused, self.gated):
+            op.precision = precision
+
+
+def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    # The same arithmetic as diffusers (an fp32 sum), so exact mode stays bitwise.
+    if temb.ndim == 4:  # [B, L, 6, C]: one modulation per token (Wan2.2 TI2V)
+        chunks = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
+        return tuple(c.squeeze(2) for c in chunks)
+    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
+
+
+def _fused_block_forward(block: nn.Module, ops: _ModulationOps) -> Any:
+    norm2 = block.norm2
+    eps1, eps3 = block.norm1.eps, block.norm3.eps
+
+    def forward(
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        temb: torch.Tensor,
+        rotary_emb: torch.Tensor,
+    ) -> torch.Tensor:
+        shift, scale, gate, c_shift, c_scale, c_gate = _modulations(block, temb)
+        h = hidden_states
+        n = ops.ln_mod(h, None, None, scale, shift, eps1)
+        attn = block.attn1(n, None, None, rotary_emb)
+        if isinstance(norm2, nn.LayerNorm):
+            n, h = ops.fused(h, attn, gate, norm2.weight, norm2.bias, None, None, norm2.eps)
+        else:  # cross_attn_norm=False: norm2 is Identity, so n is the new residual itself
+            h = ops.gated(h, attn, gate)
+            n = h
+        attn = block.attn2(n, encoder_hidden_states, None, None)
+        n, h = ops.fused(h, attn, 1, None, None, c_scale, c_shift, eps3)
+        ff = block.ffn(n)
+        return ops.gated(h, ff, c_gate)
+
+    return forward
+
+
+def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    # WanAttnProcessor's rotary embedding (interleaved pairs), the same operations.
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    c = cos[..., 0::2]
+    s = sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * c - x2 * s
+    out[..., 1::2] = x1 * s + x2 * c
+    return out.type_as(x)
+
+
+class SparseWanAttnProcessor:
+    """Wan self-attention with block-sparse attention on the sparse denoising steps.
+
+    Dense steps (and any call it was not written for: cross-attention, a mask, I2V's
+    image keys) run the wrapped ``WanAttnProcessor`` unchanged, so they are bitwise the
+    unpatched model's.
+    """
+
+    def __init__(self, original: Any, sparse: nn.Module, steps: StepState) -> None:
+        self.original = original
+        self.sparse = sparse
+        self.steps = steps
+
+    def _dense_now(self) -> bool:
+        cfg = self.sparse.config
+        step = self.steps.current()
+        if step is None and cfg.skip_first_steps > 0:
+            return True  # step unknown: never sparse by accident
+        return bool(cfg.dense_at(step))
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        if (
+            encoder_hidden_states is not None
+            or attention_mask is not None
+            or getattr(attn, "add_k_proj", None) is not None
+            or self._dense_now()
+        ):
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            )
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        query, key, value = _get_qkv_projections(attn, hidden_states, None)
+        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
+        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        value = value.unflatten(2, (attn.heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary(query, *rotary_emb)
+            key = _apply_rotary(key, *rotary_emb)
+        shape = self.steps.latent_shape
+        if shape is not None:
+            self.sparse.set_video_shape(shape, self.steps.patch_size)
+        out = self.sparse(query, key, value, layout="BSND", step=self.steps.current())
+        out = out.flatten(2, 3).type_as(query)
+        out = attn.to_out[0](out)
+        return attn.to_out[1](out)
+
+
+def apply(
+    model: nn.Module,
+    plan: WanPlan,
+    record: PatchRecord,
+    *,
+    norms: bool,
+    attention: Any,
+    precision: str | None,
+) -> None:
+    """Patch a checked Wan model in place, recording every change on ``record``."""
+    if norms:
+        swap_norms(model, record, precision)
+        ops = _ModulationOps(precision)
+        for block in plan.blocks:
+            block.forward = _fused_block_forward(block, ops)
+            record.undo.append(lambda block=block: vars(block).pop("forward", None))
+            record.count("fused blocks")
+    if attention is not None:
+        from ditops.layers.attention import BlockSparseAttention
+
+        steps = StepState()
+        steps.patch_size = tuple(model.config.patch_size)  # type: ignore[attr-defined]
+        attach_step_tracker(model, steps)
+        record.undo.append(lambda: detach_step_tracker(model))
+        model._ditops_steps = steps  # type: ignore[assignment]
+        record.undo.append(lambda: vars(model).pop("_ditops_steps", None))
+        for block in plan.blocks:
+            original = block.attn1.processor
+            sparse = BlockSparseAttention(attention)
+            block.attn1.set_processor(SparseWanAttnProcessor(original, sparse, steps))
+            record.undo.append(lambda a=block.attn1, p=original: a.set_processor(p))
+            record.count("sparse self-attentions")

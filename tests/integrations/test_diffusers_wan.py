@@ -1,0 +1,256 @@
+"""ditops.patch on tiny diffusers models built from keyword arguments (no downloads).
+
+Parity: exact precision is bitwise equal to the unpatched model (both with
+``model.to(bf16)``, which also casts the modules diffusers keeps in fp32, and with those
+kept in fp32 as ``from_pretrained(torch_dtype=...)`` does); fast precision is within the
+stated tolerance; sparse attention at sparsity 0 or before ``skip_first_steps`` equals
+dense; unpatch restores outputs bitwise.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations import PatchError, set_step
+from ditops.layers.norm import FP32LayerNorm
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import WanTransformer3DModel  # noqa: E402
+
+# fast precision: the patched model's output against the unpatched one, relative to the
+# output's scale (bf16 activations through 2 blocks: a few bf16 ulps).
+FAST_REL_TOL = 2e-2
+
+TINY = dict(
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=48,
+    num_layers=2,
+    cross_attn_norm=True,
+    rope_max_seq_len=64,
+)
+
+
+def tiny_wan(keep_fp32: bool, **overrides: object) -> WanTransformer3DModel:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**{**TINY, **overrides}).eval()
+    if keep_fp32:
+        # What from_pretrained(torch_dtype=bf16) does: _keep_in_fp32_modules stay fp32.
+        keep = model._keep_in_fp32_modules
+        for name, module in model.named_modules():
+            if not any(k in name.split(".") for k in keep):
+                for p in module.parameters(recurse=False):
+                    p.data = p.data.to(torch.bfloat16)
+        for name, p in model.named_parameters():
+            if "scale_shift_table" in name:
+                p.data = p.data.float()
+    else:
+        model = model.to(torch.bfloat16)
+    return model
+
+
+def inputs(frames: int = 2, hw: int = 8, per_token: bool = False) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    latents = torch.randn(1, 4, frames, hw, hw, generator=g).bfloat16()
+    t = torch.tensor([500])
+    if per_token:  # Wan2.2 TI2V: a timestep per token
+        t = torch.randint(0, 1000, (1, frames * (hw // 2) ** 2), generator=g)
+    text = torch.randn(1, 7, 16, generator=g).bfloat16()
+    return {"hidden_states": latents, "timestep": t, "encoder_hidden_states": text}
+
+
+def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        if step is None:
+            return model(**kw, return_dict=False)[0]
+        with model.cache_context("cond", step_index=step):
+            return model(**kw, return_dict=False)[0]
+
+
+@pytest.fixture
+def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
+    from ditops.layers import modulation
+
+    calls: dict[str, int] = {}
+    for cls in (
+        modulation.LayerNormScaleShiftOp,
+        modulation.GatedResidualOp,
+        modulation.ScaleResidualLayerNormScaleShiftOp,
+        FP32LayerNorm,
+    ):
+        original = cls.forward_cpu
+
+        def spy(self, *a, _original=original, _name=cls.op_name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        spy._ditops_path = original._ditops_path  # type: ignore[attr-defined]
+        monkeypatch.setattr(cls, "forward_cpu", spy)
+        cls._plans = {}
+    yield calls
+    for cls in ditops.registered_ops().values():
+        cls._plans = {}
+
+
+@pytest.mark.parametrize("keep_fp32", [False, True], ids=["to_bf16", "fp32_modules"])
+@pytest.mark.parametrize("per_token", [False, True], ids=["per_sample", "per_token"])
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    keep_fp32: bool, per_token: bool, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_wan(keep_fp32)
+    x = inputs(per_token=per_token)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["WanTransformer3DModel"]["fused blocks"] == 2
+    assert isinstance(model.blocks[0].norm2, FP32LayerNorm) and isinstance(
+        model.norm_out, FP32LayerNorm
+    )
+    out = run(model, **x)
+    assert torch.equal(out, ref)
+    # the fused CPU paths ran (2 blocks): not a silent fall back to the eager expressions
+    assert cpu_paths == {
+        "layer_norm_scale_shift": 2,
+        "scale_residual_layer_norm_scale_shift": 4,
+        "gated_residual": 2,
+        "fp32_layer_norm": 1,
+    }
+    ditops.unpatch(model)
+    assert type(model.blocks[0].norm2).__name__ == "FP32LayerNorm" and not isinstance(
+        model.blocks[0].norm2, FP32LayerNorm
+    )
+    assert "forward" not in vars(model.blocks[0])
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_fast_patch_within_tolerance() -> None:
+    model = tiny_wan(keep_fp32=True)
+    x = inputs()
+    ref = run(model, **x).float()
+    ditops.patch(model, precision="fast")
+    out = run(model, **x).float()
+    rel = (out - ref).abs().max() / ref.abs().max()
+    assert rel <= FAST_REL_TOL, rel
+
+
+def test_i2v_added_kv_and_no_cross_attn_norm() -> None:
+    model = tiny_wan(keep_fp32=False, cross_attn_norm=False)
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_patch_twice_is_harmless_and_other_options_repatch() -> None:
+    model = tiny_wan(keep_fp32=False)
+    x = inputs()
+    ref = run(model, **x)
+    first = ditops.patch(model, precision="exact")
+    again = ditops.patch(model, precision="exact")
+    assert first.models == again.models
+    assert isinstance(model.blocks[0].norm1, FP32LayerNorm)
+    assert len(model._ditops_patch.modules) == first.models["WanTransformer3DModel"]["norms"]
+    ditops.patch(model, precision="fast")
+    assert model.blocks[0].norm1.precision == "fast"
+    ditops.unpatch(model)
+    ditops.unpatch(model)  # a no-op
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_sparse_at_sparsity_zero_and_before_skip_equals_dense() -> None:
+    model = tiny_wan(keep_fp32=False)
+    x = inputs(frames=4, hw=16)  # 4 x 8 x 8 = 256 tokens
+    refs = [run(model, step=i, **x) for i in range(2)]
+    ditops.patch(
+        model, precision="exact", attention=BlockSparseConfig(sparsity=0.0, block_size=32, stride=4)
+    )
+    assert all(torch.equal(run(model, step=i, **x), refs[i]) for i in range(2))
+    cfg = BlockSparseConfig(sparsity=0.75, skip_first_steps=1, block_size=32, stride=4)
+    ditops.patch(model, precision="exact", attention=cfg)
+    assert torch.equal(run(model, step=0, **x), refs[0])  # dense step
+    sparse = run(model, step=1, **x)  # sparse step: close, not equal
+    assert not torch.equal(sparse, refs[1])
+    cos = torch.nn.functional.cosine_similarity(
+        sparse.float().flatten(), refs[1].float().flatten(), 0
+    )
+    assert cos > 0.9, cos
+    # unknown step with skip_first_steps > 0: dense, never sparse by accident
+    assert torch.equal(run(model, **x), refs[0])
+    set_step(model, 0)
+    assert torch.equal(run(model, **x), refs[0])
+    set_step(model, None)
+    ditops.unpatch(model)
+    assert torch.equal(run(model, step=1, **x), refs[1])
+
+
+def test_step_index_is_shared_by_cfg_calls_and_reset_per_pipeline_call() -> None:
+    model = tiny_wan(keep_fp32=False)
+    x = inputs(frames=4, hw=16)
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=32, stride=4)
+    ditops.patch(model, attention=cfg)
+    seen = []
+    proc = model.blocks[0].attn1.processor
+    original_dense_now = proc._dense_now
+    proc._dense_now = lambda: seen.append(proc.steps.current()) or original_dense_now()
+    for step in (0, 1):  # one "pipeline call", two guidance calls per step
+        for name in ("cond", "uncond"):
+            with torch.inference_mode(), model.cache_context(name, step_index=step):
+                model(**x, return_dict=False)
+    for step in (0,):  # the next pipeline call starts again at 0
+        with torch.inference_mode(), model.cache_context("cond", step_index=step):
+            model(**x, return_dict=False)
+    assert seen == [0, 0, 1, 1, 0]
+
+
+def test_refuses_a_block_that_does_not_match_and_changes_nothing() -> None:
+    model = tiny_wan(keep_fp32=False)
+    model.blocks[1].norm1 = nn.LayerNorm(32, elementwise_affine=True)  # not what Wan has
+    before = [type(m) for m in model.modules()]
+    with pytest.raises(PatchError, match=r"blocks\[1\].norm1 is not a LayerNorm without affine"):
+        ditops.patch(model)
+    assert [type(m) for m in model.modules()] == before
+    assert not hasattr(model, "_ditops_patch")
+
+
+def test_generic_model_norms_swapped_keeping_weights() -> None:
+    class Tiny(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(16, 16)
+            self.norm = nn.LayerNorm(16, elementwise_affine=False, eps=1e-6)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.norm(self.lin(x))
+
+    model = Tiny().bfloat16()
+    x = torch.randn(4, 16, dtype=torch.bfloat16)
+    with torch.inference_mode():
+        ref = model(x)
+    # exact: plain nn.LayerNorm computes in the model dtype, so it is left alone
+    assert ditops.patch(model, precision="exact").models["Tiny"] == {}
+    ditops.unpatch(model)
+    ditops.patch(model, precision="fast")
+    assert isinstance(model.norm, FP32LayerNorm) and model.norm.eps == 1e-6
+    with torch.inference_mode():
+        out = model(x)
+    assert (out.float() - ref.float()).abs().max() <= 2 * 2**-7 * ref.float().abs().max()
+    with pytest.raises(PatchError, match="sparse attention is supported for WanTransformer3DModel"):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+
+
+def test_bad_targets_and_options() -> None:
+    with pytest.raises(PatchError, match="expects a diffusers model"):
+        ditops.patch(object())
+    with pytest.raises(PatchError, match="precision"):
+        ditops.patch(nn.Linear(2, 2), precision="fastest")
