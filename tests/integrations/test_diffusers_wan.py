@@ -92,7 +92,7 @@ def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     ):
         original = cls.forward_cpu
 
-        def spy(self, *a, _original=original, _name=cls.op_name, **k):  # noqa: ANN001, ANN002, ANN003, ANN202
+        def spy(self, *a, _original=original, _name=cls.op_name, **k):
             calls[_name] = calls.get(_name, 0) + 1
             return _original(self, *a, **k)
 
