@@ -1,0 +1,229 @@
+"""Estimating a block mask from queries and keys: XAttention-style antidiagonal scoring.
+
+This is the meaning of the ``estimate_block_mask`` op (its ``forward_native``), written
+from the contract of the NPU operator ``attentions.sparse_block_estimate``
+(``shared/docs/npu-attentions-ops.md``), in plain PyTorch:
+
+1. **Strided antidiagonal scores.** Positions are grouped ``stride`` at a time. Keys are
+   reversed inside each group, so one matmul of the ``[S / stride, stride * D]`` views
+   sums the dot products along an antidiagonal of every ``stride x stride`` cell.
+   (The NPU reverses the queries instead; it is the same sum.) Sequence lengths that
+   are not multiples of ``stride`` are padded with zeros, which add nothing to a dot
+   product; a strided key column exists only where it holds at least one real key, so
+   padding never counts as a key.
+2. Scores times ``scale / stride`` (``scale`` is the attention's softmax scale) are
+   softmax-normalised per strided query row, over the candidate key blocks.
+3. Probabilities are summed into ``block_size / stride``-sized cells: one score per
+   (query block, key block); each query block's row holds the softmax mass its
+   strided rows give each key block.
+4. Per row, over the *scored* candidates (the candidates minus sink and recent blocks,
+   which are always kept and take no part in scoring): sort descending and accumulate
+   until the sum reaches ``threshold`` times the row's scored total; that score is the
+   cut-off (``threshold >= 1`` keeps every scored block). Then the top-k cap: when more
+   than ``keep_ratio * candidates`` blocks were selected and the row has at least 10
+   candidates, the cut-off becomes the ``int(candidates * keep_ratio)``-th largest
+   score. Scored blocks above ``cut-off - 1e-5`` are kept (ties kept).
+5. ``keep_sink`` keeps key block 0; ``keep_recent`` keeps the last candidate block (the
+   diagonal one under ``causal``, else the last key block).
+6. ``causal``: only key blocks up to the diagonal (top-left aligned) are candidates; a
+   row with at most two candidates keeps them all.
+7. GQA: query head ``n`` reads key head ``n // (Nq / Nkv)``.
+
+Then ``dense_blocks`` (the first video frame, see :mod:`ditops.attention.schedule`)
+forces the first ``F`` block rows and columns on, and counts are recomputed as row sums.
+
+Scores come from a matmul in the input dtype (its output rounded to that dtype, as a
+bf16 matmul does on CPU), then everything is fp32. Work is chunked over heads and
+strided rows, so memory stays bounded at any sequence length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from ditops.attention.block_mask import causal_candidates, num_blocks, row_counts
+from ditops.attention.layout import plan_chunks, to_bnsd
+
+#: The top-k cap applies only to rows with at least this many candidate blocks.
+MIN_CANDIDATES_FOR_CAP = 10
+#: Kept: scored blocks above cut-off minus this (so ties at the cut-off are kept).
+CUTOFF_EPS = 1e-5
+
+
+def estimate_block_mask_reference(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    layout: str = "BNSD",
+    block_size: int = 128,
+    stride: int = 8,
+    scale: float | None = None,
+    threshold: float = 1.0,
+    keep_ratio: float = 1.0,
+    keep_sink: bool = True,
+    keep_recent: bool = True,
+    causal: bool = False,
+    dense_blocks: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Estimate a block mask (see the module docstring for the algorithm).
+
+    Args:
+        q: queries ``[B, Nq, Sq, D]`` (``BNSD``) or ``[B, Sq, Nq, D]`` (``BSND``).
+        k: keys, same layout, ``Nkv`` heads dividing ``Nq``.
+        scale: the attention softmax scale (default ``D ** -0.5``); scores use
+            ``scale / stride``.
+        dense_blocks: the first ``dense_blocks`` block rows and columns are kept.
+
+    Returns:
+        ``(mask, counts)``: int8 ``[B, Nq, Qb, KVb]`` and int32 ``[B, Nq, Qb]``.
+
+    Arguments are checked by the op (:func:`ditops.layers.attention.estimate_block_mask`).
+    """
+    qb_, kb_ = to_bnsd(q, layout), to_bnsd(k, layout)
+    if scale is None:
+        scale = int(qb_.shape[-1]) ** -0.5
+    scores = block_scores(
+        qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride, causal=causal
+    )
+    keep = select_blocks(
+        scores,
+        threshold=threshold,
+        keep_ratio=keep_ratio,
+        keep_sink=keep_sink,
+        keep_recent=keep_recent,
+        causal=causal,
+    )
+    mask = force_dense_blocks(keep, dense_blocks, causal=causal)
+    return mask, row_counts(mask)
+
+
+def block_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    stride: int,
+    score_scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """Steps 1-3: fp32 ``[B, Nq, Qb, KVb]`` softmax mass per block pair (BNSD inputs)."""
+    batch, heads, q_len, dim = (int(s) for s in q.shape)
+    kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
+    group = heads // kv_heads
+    cells = block_size // stride
+    q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    q_rows, k_cols = math.ceil(q_len / stride), math.ceil(kv_len / stride)
+    # Zero-pad to whole strided groups; a zero adds nothing to a dot product.
+    qp = F.pad(q, (0, 0, 0, q_rows * stride - q_len)) if q_len % stride else q
+    kp = F.pad(k, (0, 0, 0, k_cols * stride - kv_len)) if kv_len % stride else k
+    q_str = qp.reshape(batch, heads, q_rows, stride * dim)
+    # Reversing keys inside each group puts the antidiagonal on the matmul's diagonal.
+    k_str = kp.reshape(batch, kv_heads, k_cols, stride, dim).flip(3)
+    k_str = k_str.reshape(batch, kv_heads, k_cols, stride * dim)
+
+    allowed = None
+    if causal:
+        # Block-level causal candidates at strided resolution.
+        row_block = torch.arange(q_rows, device=q.device) // cells
+        col_block = torch.arange(k_cols, device=q.device) // cells
+        allowed = col_block[None, :] <= row_block[:, None]
+
+    out = torch.zeros(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
+    head_chunk, row_chunk = plan_chunks(heads, q_rows, k_cols, cells)
+    col_pad = kv_blocks * cells - k_cols
+    for b in range(batch):
+        for h0 in range(0, heads, head_chunk):
+            h1 = min(heads, h0 + head_chunk)
+            if group == 1:
+                kt = k_str[b, h0:h1]
+            else:
+                kt = k_str[b, torch.arange(h0, h1, device=q.device) // group]
+            kt = kt.transpose(-1, -2)
+            for r0 in range(0, q_rows, row_chunk):
+                r1 = min(q_rows, r0 + row_chunk)
+                s = torch.matmul(q_str[b, h0:h1, r0:r1], kt).float()
+                s.mul_(score_scale)
+                if allowed is not None:
+                    s.masked_fill_(~allowed[r0:r1], float("-inf"))
+                s.sub_(s.amax(-1, keepdim=True)).exp_()
+                total = s.sum(-1, keepdim=True)
+                if col_pad:
+                    s = F.pad(s, (0, col_pad))
+                # Mass per (strided row, key block), normalised per strided row.
+                per_row = s.view(h1 - h0, r1 - r0, kv_blocks, cells).sum(-1).div_(total)
+                # Sum strided rows into query blocks (r0 is a multiple of cells).
+                row_block = torch.arange(r0, r1, device=q.device) // cells
+                out[b, h0:h1].index_add_(1, row_block, per_row)
+    return out
+
+
+def select_blocks(
+    scores: torch.Tensor,
+    *,
+    threshold: float,
+    keep_ratio: float,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+) -> torch.Tensor:
+    """Steps 4-6: bool ``[..., Qb, KVb]`` of kept blocks from fp32 block scores."""
+    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
+    dev = scores.device
+    if causal:
+        cand = causal_candidates(q_blocks, kv_blocks, dev)
+    else:
+        cand = torch.ones(q_blocks, kv_blocks, dtype=torch.bool, device=dev)
+    n_cand = cand.sum(-1, keepdim=True)  # candidates are a prefix 0..n_cand-1 of each row
+    col = torch.arange(kv_blocks, device=dev)[None, :]
+    forced = torch.zeros_like(cand)
+    if keep_sink:
+        forced |= (col == 0) & cand
+    if keep_recent:
+        forced |= col == n_cand - 1
+    scored = cand & ~forced
+    v = scores.masked_fill(~scored, 0.0)
+    ranked = v.sort(dim=-1, descending=True).values
+    n_scored = scored.sum(-1, keepdim=True).expand(*v.shape[:-1], 1)
+    n_forced = forced.sum(-1, keepdim=True)
+    if threshold >= 1.0:
+        cutoff = torch.zeros_like(v[..., :1])
+        n_selected = n_cand.expand(*v.shape[:-1], 1)
+    else:
+        total = v.sum(-1, keepdim=True)
+        reached = ranked.cumsum(-1) < threshold * total
+        idx = torch.minimum(reached.sum(-1, keepdim=True), (n_scored - 1).clamp(min=0))
+        cutoff = ranked.gather(-1, idx)
+        n_selected = idx + 1 + n_forced
+    # The cap keeps int(candidates * keep_ratio) scored blocks, computed in fp32 as the NPU does.
+    ratio = torch.tensor(keep_ratio, dtype=torch.float32, device=dev)
+    top_k = torch.floor(n_cand.to(torch.float32) * ratio).to(torch.int64).clamp(1, kv_blocks)
+    capped = (n_selected.to(torch.float32) > n_cand.to(torch.float32) * ratio) & (
+        n_cand >= MIN_CANDIDATES_FOR_CAP
+    )
+    cap_value = ranked.gather(-1, (top_k - 1).expand(*v.shape[:-1], 1))
+    cutoff = torch.where(capped, cap_value, cutoff)
+    keep = (scored & (v > cutoff - CUTOFF_EPS)) | forced
+    if causal:
+        keep = torch.where(n_cand <= 2, cand, keep)
+    return keep
+
+
+def force_dense_blocks(mask: torch.Tensor, dense_blocks: int, *, causal: bool) -> torch.Tensor:
+    """Keep the first ``dense_blocks`` block rows and columns (the first video frame).
+
+    ``mask`` is ``[..., Qb, KVb]`` (no padding columns). Under ``causal`` only causal
+    candidates are forced. Returns a new int8 mask (the input is not modified).
+    """
+    out = mask.to(torch.int8)
+    if dense_blocks <= 0:
+        return out
+    q_blocks, kv_blocks = int(mask.shape[-2]), int(mask.shape[-1])
+    rows = torch.arange(q_blocks, device=mask.device)[:, None] < dense_blocks
+    cols = torch.arange(kv_blocks, device=mask.device)[None, :] < dense_blocks
+    force = rows | cols
+    if causal:
+        force &= causal_candidates(q_blocks, kv_blocks, mask.device)
+    return out.masked_fill(force, 1)
