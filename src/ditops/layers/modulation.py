@@ -272,16 +272,21 @@ def _npu_norm(call: _Call, h3: torch.Tensor) -> torch.Tensor:
 
 
 class _ModulationOp(CustomOp):
-    """Every path re-validates the dispatched arguments into a :class:`_Call`."""
+    """The shared plumbing of the three ops: validation once per call, path reasons."""
 
-    def _call(self, *args: Any) -> _Call:
+    def _validate(self, *args: Any) -> _Call:
         raise NotImplementedError
+
+    def _call(self, *args: Any, call: _Call | None = None) -> _Call:
+        """The validated call: ``forward`` hands it to the path it dispatches to (one
+        validation per call); a direct call of a path validates its arguments itself."""
+        return call if call is not None else self._validate(*args)
 
     def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
         if kind == "npu":
-            return _npu_reasons(self._call(*args))
+            return _npu_reasons(self._call(*args, **kwargs))
         if kind in ("cuda", "hip", "xpu"):
-            return _triton_reasons(self._call(*args))
+            return _triton_reasons(self._call(*args, **kwargs))
         return []
 
     def _exact(self) -> bool:
@@ -302,33 +307,33 @@ class LayerNormScaleShiftOp(_ModulationOp):
         eps: float = _DEFAULT_EPS,
         out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        call = self._call(x, weight, bias, scale, shift, eps, out_dtype)
-        return self.dispatch(x, weight, bias, scale, shift, call.eps, out_dtype)
+        call = self._validate(x, weight, bias, scale, shift, eps, out_dtype)
+        return self.dispatch(x, weight, bias, scale, shift, call.eps, out_dtype, call=call)
 
-    def _call(self, *args: Any) -> _Call:
+    def _validate(self, *args: Any) -> _Call:
         x, weight, bias, scale, shift, eps, out_dtype = args
         return _prepare(
             "layer_norm_scale_shift", x, None, weight, bias, None, scale, shift, eps, out_dtype
         )
 
-    def forward_native(self, *args: Any) -> torch.Tensor:
-        call = self._call(*args)
+    def forward_native(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
+        call = self._call(*args, call=call)
         return _native_norm(call, call.x3).reshape(call.shape)
 
     @fast_path(precisions=("exact", "fast"), dtypes=_FLOATS, inference_only=True)
-    def forward_cpu(self, *args: Any) -> torch.Tensor:
+    def forward_cpu(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
         from ditops.kernels.cpu.modulation import layer_norm_scale_shift as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         s, t = _cpu_operands(c, "scale", "shift")
         w, b = _f32(c.weight), _f32(c.bias)
         return kernel(c.x3, w, b, s, t, c.eps, c.out_dtype, self._exact()).reshape(c.shape)
 
     @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_cuda(self, *args: Any) -> torch.Tensor:
+    def forward_cuda(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
         from ditops.kernels.triton.modulation import layer_norm_scale_shift as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         s, t = _triton_rows(c, "scale"), _triton_rows(c, "shift")
         return kernel(c.x3, c.weight, c.bias, s, t, c.eps, c.out_dtype).reshape(c.shape)
 
@@ -336,8 +341,8 @@ class LayerNormScaleShiftOp(_ModulationOp):
     forward_xpu = forward_cuda
 
     @fast_path(backend=NPU_LAYERNORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_npu(self, *args: Any) -> torch.Tensor:
-        call = self._call(*args)
+    def forward_npu(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
+        call = self._call(*args, call=call)
         return _npu_norm(call, call.x3).reshape(call.shape)
 
 
@@ -348,30 +353,31 @@ class GatedResidualOp(_ModulationOp):
     def forward(  # type: ignore[override]
         self, residual: torch.Tensor, x: torch.Tensor, gate: ModulationArg = 1
     ) -> torch.Tensor:
-        call = self._call(residual, x, gate)
-        return self.dispatch(residual, x, call.mods["gate"].value)
+        call = self._validate(residual, x, gate)
+        g = call.mods["gate"].value
+        return self.dispatch(residual, x, g, call=call)
 
-    def _call(self, *args: Any) -> _Call:
+    def _validate(self, *args: Any) -> _Call:
         residual, x, gate = args
         return _prepare("gated_residual", x, residual, gate=gate)
 
-    def forward_native(self, *args: Any) -> torch.Tensor:
-        call = self._call(*args)
+    def forward_native(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
+        call = self._call(*args, call=call)
         return _native_gated(call).reshape(call.shape)
 
     @fast_path(precisions=("exact", "fast"), dtypes=_FLOATS, inference_only=True)
-    def forward_cpu(self, *args: Any) -> torch.Tensor:
+    def forward_cpu(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
         from ditops.kernels.cpu.modulation import gated_residual as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         (g,) = _cpu_operands(c, "gate")
         return kernel(c.res3, c.x3, g, self._exact()).reshape(c.shape)
 
     @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_cuda(self, *args: Any) -> torch.Tensor:
+    def forward_cuda(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
         from ditops.kernels.triton.modulation import gated_residual as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         g = shapes.modulation_rows(c.mods["gate"], c.x3)
         return kernel(c.res3, c.x3, g).reshape(c.shape)
 
@@ -395,35 +401,42 @@ class ScaleResidualLayerNormScaleShiftOp(_ModulationOp):
         eps: float = _DEFAULT_EPS,
         out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        call = self._call(residual, x, gate, weight, bias, scale, shift, eps, out_dtype)
+        call = self._validate(residual, x, gate, weight, bias, scale, shift, eps, out_dtype)
         g = call.mods["gate"].value
-        return self.dispatch(residual, x, g, weight, bias, scale, shift, call.eps, out_dtype)
+        args = (residual, x, g, weight, bias, scale, shift, call.eps, out_dtype)
+        return self.dispatch(*args, call=call)
 
-    def _call(self, *args: Any) -> _Call:
+    def _validate(self, *args: Any) -> _Call:
         residual, x, gate, weight, bias, scale, shift, eps, out_dtype = args
         op = "scale_residual_layer_norm_scale_shift"
         return _prepare(op, x, residual, weight, bias, gate, scale, shift, eps, out_dtype)
 
-    def forward_native(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        call = self._call(*args)
+    def forward_native(
+        self, *args: Any, call: _Call | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        call = self._call(*args, call=call)
         new_res = _native_gated(call)
         return _native_norm(call, new_res).reshape(call.shape), new_res.reshape(call.shape)
 
     @fast_path(precisions=("exact", "fast"), dtypes=_FLOATS, inference_only=True)
-    def forward_cpu(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_cpu(
+        self, *args: Any, call: _Call | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from ditops.kernels.cpu.modulation import scale_residual_layer_norm_scale_shift as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         g, s, t = _cpu_operands(c, "gate", "scale", "shift")
         w, b = _f32(c.weight), _f32(c.bias)
         out, new_res = kernel(c.res3, c.x3, g, w, b, s, t, c.eps, c.out_dtype, self._exact())
         return out.reshape(c.shape), new_res.reshape(c.shape)
 
     @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_cuda(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_cuda(
+        self, *args: Any, call: _Call | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         from ditops.kernels.triton.modulation import scale_residual_layer_norm_scale_shift as kernel
 
-        c = self._call(*args)
+        c = self._call(*args, call=call)
         g = shapes.modulation_rows(c.mods["gate"], c.x3)
         s, t = _triton_rows(c, "scale"), _triton_rows(c, "shift")
         out, new_res = kernel(c.res3, c.x3, g, c.weight, c.bias, s, t, c.eps, c.out_dtype)
@@ -433,8 +446,10 @@ class ScaleResidualLayerNormScaleShiftOp(_ModulationOp):
     forward_xpu = forward_cuda
 
     @fast_path(backend=NPU_LAYERNORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_npu(self, *args: Any) -> tuple[torch.Tensor, torch.Tensor]:
-        call = self._call(*args)
+    def forward_npu(
+        self, *args: Any, call: _Call | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        call = self._call(*args, call=call)
         new_res = _native_gated(call)  # no NPU kernel for it: plain torch ops on the NPU
         return _npu_norm(call, new_res).reshape(call.shape), new_res.reshape(call.shape)
 

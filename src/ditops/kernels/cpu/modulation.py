@@ -251,19 +251,20 @@ def _folded_params(
     scale_row: torch.Tensor | None,
     shift_row: torch.Tensor | None,
     C: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """fp32 [C] w', b' with LN(x; w', b') == LN(x; w, b) * (1 + scale) + shift."""
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """fp32 [C] w', b' with LN(x; w', b') == LN(x; w, b) * (1 + scale) + shift (None: absent)."""
     f32 = torch.float32
-    w = torch.ones(C, dtype=f32, device=device) if weight is None else weight.to(f32)
-    b = torch.zeros(C, dtype=f32, device=device) if bias is None else bias.to(f32)
+    w = None if weight is None else weight.to(f32)
+    b = None if bias is None else bias.to(f32)
     if scale_row is not None:
         s1 = (1 + scale_row).to(f32)  # 1 + scale in scale's dtype, as eager rounds it
-        w = w * s1
-        b = b * s1
+        w = s1 if w is None else w * s1
+        b = None if b is None else b * s1
     if shift_row is not None:
-        b = b + shift_row.to(f32)
-    return w, b
+        t = shift_row.to(f32)
+        b = t if b is None else b + t
+    # A scalar modulation leaves 0-d parameters: LayerNorm takes [C].
+    return (None if w is None else w.expand(C)), (None if b is None else b.expand(C))
 
 
 def _fast(
@@ -295,12 +296,12 @@ def _fast(
         # One affine for every row: a single mixed-dtype LayerNorm over the whole tensor.
         s = scale if scale is None or scale.dim() == 0 else scale[0, 0]
         t = shift if shift is None or shift.dim() == 0 else shift[0, 0]
-        w, bb = _folded_params(weight, bias, s, t, C, dev)
+        w, bb = _folded_params(weight, bias, s, t, C)
         return F.layer_norm(x, (C,), w, bb, eps), None
     out = torch.empty((B, L, C), dtype=out_dtype, device=dev)
     new_res = None if residual is None else torch.empty((B, L, C), dtype=norm_dtype, device=dev)
     bufs = _Buffers(step, C, dev)
-    params: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    params: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     for b, g, l0, l1, rows in _walk(B, L, step, {"gate": gate, "scale": scale, "shift": shift}):
         acc, tmp = bufs.take(l1 - l0)
         if residual is None or new_res is None:
@@ -313,7 +314,7 @@ def _fast(
         if fold:
             key = (b, g)
             if key not in params:
-                params[key] = _folded_params(weight, bias, s, t, C, dev)
+                params[key] = _folded_params(weight, bias, s, t, C)
             w, bb = params[key]
             out[b, l0:l1].copy_(F.layer_norm(normed_in, (C,), w, bb, eps))
             continue
