@@ -54,33 +54,3 @@ def dense_oracle(
         p = torch.softmax(s.masked_fill(~tokens[:, n], float("-inf")), dim=-1).nan_to_num(0.0)
         out[:, n] = p @ vd[:, n]
     return out.to(q.dtype)
-
-
-def video_qk(
-    frames: int,
-    height: int,
-    width: int,
-    heads: int = 2,
-    dim: int = 64,
-    dtype: torch.dtype = torch.float32,
-    seed: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Structured q/k on a frames x height x width token grid, BNSD.
-
-    Each token's features are smooth functions of its (t, y, x) position plus a little
-    noise, so attention is local in space and time, as in video DiTs.
-    """
-    gen = torch.Generator().manual_seed(seed)
-    t, y, x = torch.meshgrid(
-        torch.arange(frames, dtype=torch.float32),
-        torch.arange(height, dtype=torch.float32),
-        torch.arange(width, dtype=torch.float32),
-        indexing="ij",
-    )
-    pos = torch.stack([t.flatten() / 2.0, y.flatten() / 4.0, x.flatten() / 4.0], dim=-1)
-    freqs = torch.randn(heads, 3, dim // 2, generator=gen)
-    phase = torch.einsum("sc,hcf->hsf", pos, freqs)
-    base = torch.cat([phase.sin(), phase.cos()], dim=-1)  # [H, S, D]
-    q = base + 0.1 * torch.randn(base.shape, generator=gen)
-    k = base + 0.1 * torch.randn(base.shape, generator=gen)
-    return (3.0 * q)[None].to(dtype), (3.0 * k)[None].to(dtype)

@@ -32,9 +32,13 @@ from the contract of the NPU operator ``attentions.sparse_block_estimate``
 Then ``dense_blocks`` (the first video frame, see :mod:`ditops.attention.schedule`)
 forces the first ``F`` block rows and columns on, and counts are recomputed as row sums.
 
-Scores come from a matmul in the input dtype (its output rounded to that dtype, as a
-bf16 matmul does on CPU), then everything is fp32. Work is chunked over heads and
-strided rows, so memory stays bounded at any sequence length.
+Precision: like the NPU, which holds probabilities and block sums in half precision,
+the work is done in the input dtype with fp32 accumulation: ``q * scale / stride`` is
+rounded to the dtype, the score matmul's output is rounded once, softmax (fp32 inside)
+writes probabilities in the dtype, and a matmul with a 0/1 pooling matrix sums them
+per key block (rounded once); rows of a query block are summed in fp32. With fp32
+inputs everything is fp32. Work is chunked over heads and strided rows, so memory
+stays bounded at any sequence length (and the chunks stay in the caches).
 """
 
 from __future__ import annotations
@@ -131,9 +135,12 @@ def block_scores(
         col_block = torch.arange(k_cols, device=q.device) // cells
         allowed = col_block[None, :] <= row_block[:, None]
 
+    # 0/1 [strided column, key block]: a matmul sums each row's probabilities per key block
+    # (a partial last block simply has fewer columns).
+    cols = torch.arange(k_cols, device=q.device)
+    pool = (cols[:, None] // cells == torch.arange(kv_blocks, device=q.device)[None, :]).to(q.dtype)
     out = torch.zeros(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
     head_chunk, row_chunk = plan_chunks(heads, q_rows, k_cols, cells)
-    col_pad = kv_blocks * cells - k_cols
     for b in range(batch):
         for h0 in range(0, heads, head_chunk):
             h1 = min(heads, h0 + head_chunk)
@@ -144,17 +151,15 @@ def block_scores(
             kt = kt.transpose(-1, -2)
             for r0 in range(0, q_rows, row_chunk):
                 r1 = min(q_rows, r0 + row_chunk)
-                s = torch.matmul(q_str[b, h0:h1, r0:r1], kt).float()
-                s.mul_(score_scale)
+                # The scale goes into q (rounded once to its dtype), so the matmul's output
+                # is the scaled score, then softmax (fp32 inside) rounds to the dtype.
+                qc = (q_str[b, h0:h1, r0:r1].float() * score_scale).to(q.dtype)
+                s = torch.matmul(qc, kt)
                 if allowed is not None:
                     s.masked_fill_(~allowed[r0:r1], float("-inf"))
-                s.sub_(s.amax(-1, keepdim=True)).exp_()
-                total = s.sum(-1, keepdim=True)
-                if col_pad:
-                    s = F.pad(s, (0, col_pad))
-                # Mass per (strided row, key block), normalised per strided row.
-                per_row = s.view(h1 - h0, r1 - r0, kv_blocks, cells).sum(-1).div_(total)
-                # Sum strided rows into query blocks (r0 is a multiple of cells).
+                probs = torch.softmax(s, dim=-1)
+                # Mass per (strided row, key block); then strided rows into query blocks.
+                per_row = torch.matmul(probs, pool).float()
                 row_block = torch.arange(r0, r1, device=q.device) // cells
                 out[b, h0:h1].index_add_(1, row_block, per_row)
     return out
