@@ -8,7 +8,7 @@ None, a 0-d tensor (a scalar, promoted as eager PyTorch promotes scalars) or a
 Memory model (bf16 [8192, 5120], fp32 [B, 1, C] modulation): the eager chain
 ``(LN(x.float()) * (1 + scale) + shift).to(bf16)`` makes five passes over the whole
 tensor, most of them in fp32. Both precisions here walk the rows in blocks whose fp32
-temporaries stay in L2, so DRAM sees one read of each input and one write of each
+temporaries stay in cache, so memory sees one read of each input and one write of each
 output:
 
 * ``exact`` runs the very eager ops, block by block. Every one of them is elementwise
@@ -42,11 +42,14 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-#: fp32 bytes per block of rows. ATen splits each op on a block across the intra-op
-#: threads, so with two threads each core's share of the few fp32 temporaries stays in
-#: its 2 MiB L2. Measured at [8192, 5120] bf16 (2 cores): 256 KiB 89 ms, 512 KiB 74 ms,
-#: 1 MiB 65 ms, 2-4 MiB 65 ms (fewer blocks, less per-op overhead; one core: flat).
-_BLOCK_BYTES = 1024 * 1024
+#: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
+#: busy machine each region waits for a descheduled worker thread, so fewer, larger
+#: blocks are far more robust, and on a quiet one the size barely matters. Measured at
+#: [8192, 5120] bf16, 2 threads, quiet: 256 KiB 89 ms, 512 KiB 74 ms, 1-4 MiB 65 ms;
+#: with the 2 cores oversubscribed (load 4.4): 1 MiB 1153 ms, 4 MiB 535 ms, 8 MiB 412 ms,
+#: eager 615 ms. One thread: flat from 256 KiB to 4 MiB. The temporaries (a few blocks)
+#: then sit in L3 rather than L2, which costs nothing measurable here.
+_BLOCK_BYTES = 4 * 1024 * 1024
 
 
 def _rows_per_block(C: int) -> int:
