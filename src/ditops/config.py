@@ -14,7 +14,9 @@
 
 The environment is read once, on first use; :func:`reload` reads it again.
 :func:`configure` changes the process-wide settings from code, and :func:`override` is
-a context manager that changes them for a block (tests use it).
+a context manager that changes them for a block (tests use it). Both are process-wide:
+every thread sees them. To give one model its own precision, set ``module.precision``
+(or ``ditops.patch(..., precision=...)``) instead.
 """
 
 from __future__ import annotations

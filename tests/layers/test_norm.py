@@ -242,11 +242,12 @@ def test_two_threads_share_a_module() -> None:
     xs = [torch.randn(64, 512, dtype=torch.bfloat16) for _ in range(2)]
     refs = [native(m, x) for x in xs]
     m._fp32.clear()
+    m.precision = "exact"  # per module: config.override is process-wide, not per thread
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
         try:
-            with torch.no_grad(), config.override(precision="exact"):
+            with torch.no_grad():
                 for _ in range(20):
                     assert_exact(m(xs[i]), refs[i])
         except BaseException as exc:  # noqa: BLE001 - surfaced in the main thread
