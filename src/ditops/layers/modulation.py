@@ -5,14 +5,17 @@ In a DiT block the norm never comes alone. Wan computes::
     norm_h = (norm1(h.float()) * (1 + scale) + shift).type_as(h)   # before attention
     h = (h.float() + attn_out * gate).type_as(h)                     # after it
 
-FLUX and HunyuanVideo do the same around ``nn.LayerNorm``. Three ops, each with that
-literal expression as its meaning (``forward_native``):
+FLUX and HunyuanVideo have the same chain around an ``nn.LayerNorm`` in the model dtype
+(these ops normalise in fp32, so for them the result is the more precise one, not
+their bits). Three ops, each with the literal fp32 expression as its meaning
+(``forward_native``):
 
 * ``layer_norm_scale_shift(x, weight, bias, scale, shift, eps, out_dtype)``:
   ``(F.layer_norm(x.float(), (C,), w.float(), b.float(), eps) * (1 + scale) + shift)``
   rounded once to ``out_dtype`` (default: x's dtype).
 * ``gated_residual(residual, x, gate)``: ``(residual.float() + x * gate)`` rounded once
-  to the residual's dtype. ``gate`` None or the number 1: no gating.
+  to the residual's dtype. ``gate`` None or the number 1: no gating. ``x`` has the
+  residual's dtype or fp32 (Wan's FFN residual passes ``ff_output.float()``).
 * ``scale_residual_layer_norm_scale_shift(residual, x, gate, weight, bias, scale,
   shift, eps, out_dtype)``: both, the norm reading the new residual after its rounding
   (as Wan does); returns ``(modulated, new_residual)``.
