@@ -402,3 +402,29 @@ def test_layer_config_or_fields() -> None:
     with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\)"):
         BlockSparseAttention(sparsity=1.2)
     assert "sparsity=0.5" in repr(BlockSparseAttention(cfg))
+
+
+def test_empty_sequences_give_empty_or_zero_outputs() -> None:
+    q, k, v = qkv(2, 2, 0, 16, torch.float32)
+    mask, counts = (
+        torch.zeros(1, 2, 0, 0, dtype=torch.int8),
+        torch.zeros(1, 2, 0, dtype=torch.int32),
+    )
+    with torch.no_grad():
+        assert block_sparse_attention(q, k, v, mask, counts).shape == (1, 2, 0, 16)
+        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        m, c = estimate_block_mask(q, k)
+    assert decision.chosen == "forward_native" and "empty" in decision.candidates[0].reasons[0]
+    assert m.shape == (1, 2, 0, 0) and c.shape == (1, 2, 0)
+    # Queries but no keys: zeros, and an all-zero mask from the estimator.
+    q = torch.randn(1, 2, 130, 16)
+    k = v = torch.randn(1, 2, 0, 16)
+    mask, counts = (
+        torch.zeros(1, 2, 2, 0, dtype=torch.int8),
+        torch.zeros(1, 2, 2, dtype=torch.int32),
+    )
+    with torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+        m, c = estimate_block_mask(q, k)
+    assert out.shape == (1, 2, 130, 16) and bool((out == 0).all())
+    assert m.shape == (1, 2, 2, 0) and bool((c == 0).all())

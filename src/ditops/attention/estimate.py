@@ -87,6 +87,11 @@ def estimate_block_mask_reference(
     Arguments are checked by the op (:func:`ditops.layers.attention.estimate_block_mask`).
     """
     qb_, kb_ = to_bnsd(q, layout), to_bnsd(k, layout)
+    if qb_.shape[2] == 0 or kb_.shape[2] == 0:
+        q_blocks = num_blocks(int(qb_.shape[2]), block_size)
+        kv_blocks = num_blocks(int(kb_.shape[2]), block_size)
+        mask = torch.zeros(*qb_.shape[:2], q_blocks, kv_blocks, dtype=torch.int8, device=q.device)
+        return mask, row_counts(mask)
     if scale is None:
         scale = int(qb_.shape[-1]) ** -0.5
     scores = block_scores(
@@ -151,9 +156,10 @@ def block_scores(
             kt = kt.transpose(-1, -2)
             for r0 in range(0, q_rows, row_chunk):
                 r1 = min(q_rows, r0 + row_chunk)
-                # The scale goes into q (rounded once to its dtype), so the matmul's output
-                # is the scaled score, then softmax (fp32 inside) rounds to the dtype.
-                qc = (q_str[b, h0:h1, r0:r1].float() * score_scale).to(q.dtype)
+                # The scale goes into q (computed in fp32, rounded once to q's dtype), so
+                # the matmul's output is the scaled score; softmax (fp32 inside) rounds
+                # the probabilities to the dtype.
+                qc = q_str[b, h0:h1, r0:r1] * score_scale
                 s = torch.matmul(qc, kt)
                 if allowed is not None:
                     s.masked_fill_(~allowed[r0:r1], float("-inf"))

@@ -55,8 +55,8 @@ def block_sparse_attention_reference(
     else:
         out = torch.empty(batch, q_len, heads, v_dim, dtype=q.dtype, device=q.device)
         out_bnsd = out.transpose(1, 2)
-    if q_len == 0:
-        return out
+    if q_len == 0 or kv_len == 0:
+        return out.zero_()  # no keys: every query outputs zeros
     dev = q.device
     col_block = torch.arange(kv_len, device=dev) // block_size
     col_pos = torch.arange(kv_len, device=dev)

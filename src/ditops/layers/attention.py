@@ -208,12 +208,12 @@ class EstimateBlockMask(CustomOp):
         return estimate_block_mask_reference(q, k, **kw)
 
     def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
-        if kind != "npu":
-            return []
         q, k = args[0], args[1]
-        layout = kwargs["layout"]
+        layout = kwargs.get("layout", "BNSD")
         q_len, kv_len = to_bnsd(q, layout).shape[2], to_bnsd(k, layout).shape[2]
-        if q_len != kv_len:
+        if q_len == 0 or kv_len == 0:
+            return ["empty sequence: nothing to compute"]
+        if kind == "npu" and q_len != kv_len:
             return [
                 f"attentions.sparse_block_estimate assumes self-attention; q has {q_len} "
                 f"tokens, k {kv_len}"
@@ -333,6 +333,13 @@ class BlockSparseAttentionOp(CustomOp):
     ) -> torch.Tensor:
         # counts equal mask's row sums (checked in forward): the mask alone says it all.
         return block_sparse_attention_reference(q, k, v, mask, **options)
+
+    def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
+        q, k = args[0], args[1]
+        layout = kwargs.get("layout", "BNSD")
+        if to_bnsd(q, layout).shape[2] == 0 or to_bnsd(k, layout).shape[2] == 0:
+            return ["empty sequence: nothing to compute"]
+        return []
 
     def _flex(
         self,
