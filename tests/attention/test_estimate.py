@@ -236,3 +236,14 @@ def test_block_scores_rows_hold_each_strided_rows_mass() -> None:
     scores = block_scores(q, k, block_size=32, stride=4, score_scale=0.1, causal=False)
     rows = torch.tensor([8.0] * 31 + [250 - 31 * 8])
     assert torch.allclose(scores.sum(-1), rows.expand(1, 2, 32), rtol=1e-5)
+
+
+def test_batches_are_independent() -> None:
+    q, k = integer_qk(2, 1, 500, seed=3)
+    q2, k2 = integer_qk(2, 1, 500, seed=4)
+    mask, counts = estimate_block_mask_reference(
+        torch.cat([q, q2]), torch.cat([k, k2]), keep_ratio=0.3, **SMALL
+    )
+    for b, (qb, kb) in enumerate([(q, k), (q2, k2)]):
+        want, want_counts = estimate_block_mask_reference(qb, kb, keep_ratio=0.3, **SMALL)
+        assert torch.equal(mask[b : b + 1], want) and torch.equal(counts[b : b + 1], want_counts)

@@ -103,3 +103,15 @@ def test_gradients_flow() -> None:
     out = block_sparse_attention_reference(q, k, v, mask, block_size=128)
     out.square().sum().backward()
     assert all(t.grad is not None and bool(t.grad.isfinite().all()) for t in (q, k, v))
+
+
+def test_batches_are_independent() -> None:
+    q, k, v = qkv(2, 1, 300, 16)
+    q2, k2, v2 = qkv(2, 1, 300, 16, seed=1)
+    mask, _ = random_mask(2, 2, 3, 3)
+    out = block_sparse_attention_reference(
+        torch.cat([q, q2]), torch.cat([k, k2]), torch.cat([v, v2]), mask, block_size=128
+    )
+    for b, (qb, kb, vb) in enumerate([(q, k, v), (q2, k2, v2)]):
+        want = dense_oracle(qb, kb, vb, mask[b : b + 1], block_size=128)
+        torch.testing.assert_close(out[b : b + 1], want, atol=2e-6, rtol=1e-5)
