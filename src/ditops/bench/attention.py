@@ -86,8 +86,8 @@ def exact_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int = BLOCK) 
     """fp32 ``[B, H, Qb, KVb]``: exact softmax mass each query block gives each key block."""
     batch, heads, seq, dim = q.shape
     blocks = num_blocks(seq, block_size)
-    out = torch.zeros(batch, heads, blocks, blocks)
-    col_block = torch.arange(k.shape[2]) // block_size
+    out = torch.zeros(batch, heads, blocks, blocks, device=q.device)
+    col_block = torch.arange(k.shape[2], device=q.device) // block_size
     for b in range(batch):
         for h in range(heads):
             kf = k[b, h].float()
@@ -101,7 +101,7 @@ def exact_block_mass(q: torch.Tensor, k: torch.Tensor, block_size: int = BLOCK) 
 def top_blocks_mask(scores: torch.Tensor, keep: float) -> tuple[torch.Tensor, torch.Tensor]:
     """int8 mask keeping exactly ``max(1, round(keep * KVb))`` top-scoring blocks per row."""
     n = max(1, round(keep * scores.shape[-1]))
-    mask = torch.zeros(scores.shape, dtype=torch.int8)
+    mask = torch.zeros(scores.shape, dtype=torch.int8, device=scores.device)
     mask.scatter_(-1, scores.topk(n, dim=-1).indices, 1)
     return mask, row_counts(mask)
 
@@ -110,7 +110,7 @@ def _oracle_like(mass: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     """The oracle mask: per row, the ``counts`` blocks of largest exact mass."""
     order = mass.argsort(dim=-1, descending=True)
     ranks = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(mass.shape[-1]).expand_as(order)
+        -1, order, torch.arange(mass.shape[-1], device=mass.device).expand_as(order)
     )
     return (ranks < counts[..., None]).to(torch.int8)
 
@@ -122,7 +122,9 @@ def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def quality(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: float, dense: torch.Tensor
 ) -> dict[str, float]:
-    """Mass recall of the estimated mask against the oracle, and output errors."""
+    """Mass recall of the estimated mask against the oracle, output errors against dense
+    attention, and the error of the path that ran against ``forward_native`` (as a share
+    of ``max|v|``: the correctness check of this device's fast path)."""
     from ditops.layers.attention import block_sparse_attention, estimate_block_mask
 
     mass = exact_block_mass(q, k)
@@ -132,6 +134,9 @@ def quality(
         kept = (mass * mask).sum(dim=(-1, -2)) / (mass * oracle).sum(dim=(-1, -2))  # [B, H]
         out = block_sparse_attention(q, k, v, mask, counts)
         out_oracle = block_sparse_attention(q, k, v, oracle, counts)
+        native = block_sparse_attention.forward_native(
+            q, k, v, mask, counts, layout="BNSD", scale=None, causal=False, block_size=BLOCK
+        )
     seq = q.shape[2]
     stats = density_stats(mask, q_len=seq, kv_len=seq, block_size=BLOCK)
     total = float((mass * mask).sum() / (mass * oracle).sum())
@@ -143,6 +148,7 @@ def quality(
         "oracle_mass_kept": float((mass * oracle).sum() / mass.sum()),
         "rel_err": _relative_error(out, dense),
         "oracle_rel_err": _relative_error(out_oracle, dense),
+        "path_vs_native": float((out.float() - native.float()).abs().max() / v.abs().max()),
     }
 
 
@@ -161,15 +167,14 @@ def cases(device: torch.device, size: str) -> Iterator[Case]:
         with torch.inference_mode():
             dense = F.scaled_dot_product_attention(q, k, v)
             scores = block_scores(
-                q.cpu(), k.cpu(), block_size=BLOCK, stride=STRIDE, score_scale=DIM**-0.5 / STRIDE,
-                causal=False,
-            )  # fmt: skip
+                q, k, block_size=BLOCK, stride=STRIDE, score_scale=DIM**-0.5 / STRIDE, causal=False
+            )
         for keep in KEEPS:
-            mask, counts = (t.to(device) for t in top_blocks_mask(scores, keep))
+            mask, counts = top_blocks_mask(scores, keep)
             params: dict[str, Any] = {"S": seq, "heads": HEADS, "dim": DIM, "dtype": "bfloat16"}
             params["keep"] = keep
             params["target_sparse_speedup"] = 0.8 / keep
-            params.update(quality(q.cpu(), k.cpu(), v.cpu(), keep, dense.cpu()))
+            params.update(quality(q, k, v, keep, dense))
 
             def sdpa(q=q, k=k, v=v) -> torch.Tensor:
                 with torch.inference_mode():
@@ -243,7 +248,7 @@ def print_summary(summ: list[dict[str, Any]], out: Any = sys.stdout) -> None:
     print(
         f"\n{'case':<20} {'density':>7} {'mass/oracle':>11} {'worst head':>10} "
         f"{'rel err':>8} {'oracle err':>10} {'sparse x':>8} {'target':>6} {'x*k':>5} "
-        f"{'est+sp x':>8} {'est cost':>8}",
+        f"{'est+sp x':>8} {'est cost':>8} {'path err':>8}",
         file=out,
     )
     for s in summ:
@@ -256,14 +261,16 @@ def print_summary(summ: list[dict[str, Any]], out: Any = sys.stdout) -> None:
             f"{s['mass_vs_oracle_worst_head']:>10.3f} {s['rel_err']:>8.4f} "
             f"{s['oracle_rel_err']:>10.4f} {f(s['sparse_speedup'], '8.2f')} "
             f"{s['target_sparse_speedup']:>6.2f} {f(s['sparse_speedup_times_keep'], '5.2f')} "
-            f"{f(s['est_sparse_speedup'], '8.2f')} {f(s['estimate_share_of_dense'], '8.1%')}",
+            f"{f(s['est_sparse_speedup'], '8.2f')} {f(s['estimate_share_of_dense'], '8.1%')} "
+            f"{s['path_vs_native']:>8.1e}",
             file=out,
         )
     print(
         "\nmass/oracle: softmax mass inside the estimated mask over the oracle's with as many "
         "blocks per row (target >= 0.9 at keep 0.25). sparse x: attention alone vs dense "
         "SDPA with exactly keep of the blocks (target >= 0.8 / keep). est cost: estimation "
-        "as a share of dense SDPA (target <= 5%).",
+        "as a share of dense SDPA (target <= 5%). path err: the path that ran against "
+        "forward_native, in units of max|v|.",
         file=out,
     )
 
