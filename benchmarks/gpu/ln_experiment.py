@@ -6,7 +6,6 @@ python benchmarks/gpu/ln_experiment.py OUT_DIR
 from __future__ import annotations
 
 # ruff: noqa: B023 - every lambda is timed inside the loop iteration that made it
-
 import json
 import os
 import sys
