@@ -5,9 +5,22 @@ Public names only; see the README for usage and the precision contract.
 
 from __future__ import annotations
 
+from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
 from ditops.integrations import PatchError, patch, set_step, unpatch
+from ditops.layers.attention import (
+    BlockSparseAttention,
+    block_sparse_attention,
+    estimate_block_mask,
+)
+from ditops.layers.modulation import (
+    LayerNormScaleShift,
+    ScaleResidualLayerNormScaleShift,
+    gated_residual,
+    layer_norm_scale_shift,
+    scale_residual_layer_norm_scale_shift,
+)
 from ditops.layers.norm import FP32LayerNorm
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
@@ -15,6 +28,15 @@ __version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
+    "BlockSparseAttention",
+    "BlockSparseConfig",
+    "LayerNormScaleShift",
+    "ScaleResidualLayerNormScaleShift",
+    "block_sparse_attention",
+    "estimate_block_mask",
+    "gated_residual",
+    "layer_norm_scale_shift",
+    "scale_residual_layer_norm_scale_shift",
     "CustomOp",
     "FP32LayerNorm",
     "PatchError",

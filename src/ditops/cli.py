@@ -97,6 +97,11 @@ def _bench(args: argparse.Namespace) -> int:
     if results:
         payload["rows"] = ratios(results)
         print_table(payload["rows"])
+        if "attention" in names:
+            from ditops.bench import attention
+
+            payload["attention_summary"] = attention.summary(payload["rows"])
+            attention.print_summary(payload["attention_summary"])
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)

@@ -39,7 +39,8 @@ def test_matches_dense_oracle(seq: int, block: int, causal: bool, heads: tuple) 
     out = block_sparse_attention_reference(q, k, v, mask, causal=causal, block_size=block)
     want = dense_oracle(q, k, v, mask, block_size=block, causal=causal)
     assert out.shape == q.shape and out.dtype == q.dtype
-    torch.testing.assert_close(out, want, atol=2e-6, rtol=1e-5)
+    # fp32 against a float64 oracle; 1e-5 leaves room for thread-dependent summation order
+    torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
     assert bool((out[:, :, :block] == 0).all())  # block row 0 selects nothing
 
 

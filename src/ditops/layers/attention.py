@@ -380,6 +380,9 @@ class BlockSparseAttentionOp(CustomOp):
     def forward_cuda(self, *args: Any, **kwargs: Any) -> torch.Tensor:
         return self._flex(*args, **kwargs)
 
+    # ROCm builds run FlexAttention's Triton kernels too (untested here: no AMD GPU).
+    forward_hip = forward_cuda
+
     @fast_path(backend=NPU_ATTENTION, precisions=("fast",), dtypes=_HALF, inference_only=True)
     def forward_npu(
         self,
