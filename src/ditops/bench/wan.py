@@ -57,6 +57,76 @@ class StepResult:
     max_abs: float
     cosine: float
     psnr: float
+    sections: dict[str, float]
+
+
+#: Where a forward's time goes: sub-modules of every block, timed by forward hooks; the
+#: rest (patch embedding, norms, modulation, residuals, output) is the remainder.
+SECTIONS = {"attn1": "self-attention", "attn2": "cross-attention", "ffn": "feed-forward"}
+
+
+class _SectionTimer:
+    """Wall time spent inside each block's attn1 / attn2 / ffn during a ``with`` block."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        self.model = model
+        self.device = device
+        self.seconds = {label: 0.0 for label in SECTIONS.values()}
+        self._handles: list[Any] = []
+
+    def __enter__(self) -> _SectionTimer:
+        from ditops.bench.harness import _sync
+
+        for block in self.model.blocks:
+            for attr, label in SECTIONS.items():
+                module = getattr(block, attr)
+                start: list[float] = []
+
+                def pre(_m: Any, _a: Any, start: list[float] = start) -> None:
+                    _sync(self.device)
+                    start.append(time.perf_counter())
+
+                def post(
+                    _m: Any, _a: Any, _o: Any, start: list[float] = start, label: str = label
+                ) -> None:
+                    _sync(self.device)
+                    self.seconds[label] += time.perf_counter() - start.pop()
+
+                self._handles.append(module.register_forward_pre_hook(pre))
+                self._handles.append(module.register_forward_hook(post))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _forward(
+    model: Any,
+    latents: torch.Tensor,
+    timesteps: torch.Tensor,
+    text: torch.Tensor,
+    step: int,
+    n_steps: int,
+    device: torch.device,
+) -> tuple[torch.Tensor, float]:
+    """One denoiser call at ``step``, inside the cache context a diffusers pipeline sets."""
+    from ditops.bench.harness import _sync
+
+    with (
+        torch.inference_mode(),
+        model.cache_context("cond", step_index=step, num_inference_steps=n_steps),
+    ):
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(
+            hidden_states=latents,
+            timestep=timesteps[step : step + 1],
+            encoder_hidden_states=text,
+            return_dict=False,
+        )[0]
+        _sync(device)
+        return out, time.perf_counter() - t0
 
 
 def _drift(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
@@ -120,7 +190,7 @@ def run(
 ) -> dict[str, Any]:
     """Run the loop for every variant; returns rows and a summary (see module docstring)."""
     import ditops
-    from ditops.bench.harness import Progress, _sync
+    from ditops.bench.harness import Progress
 
     dtype = torch.bfloat16
     model = build_model(model_path, device, dtype)
@@ -136,32 +206,28 @@ def run(
     bar = Progress(len(variants) * n_steps, "wan", progress)
     reference: dict[int, torch.Tensor] = {}
     results: list[StepResult] = []
+    warmups: dict[str, float] = {}
     try:
         for name, options in variants:
             ditops.unpatch(model)
             if options is not None:
                 ditops.patch(model, **options)
+            # One untimed call at the last (sparse, where there are any) step: compiles
+            # (FlexAttention) and first-touch allocations stay out of the step times.
+            warmup = _forward(model, latents, timesteps, text, n_steps - 1, n_steps, device)[1]
+            warmups[name] = warmup
             for i in range(n_steps):
                 bar.step(f"{name} step {i}")
-                t = timesteps[i : i + 1]
-                with (
-                    torch.inference_mode(),
-                    model.cache_context("cond", step_index=i, num_inference_steps=n_steps),
-                ):
-                    _sync(device)
-                    t0 = time.perf_counter()
-                    out = model(
-                        hidden_states=latents,
-                        timestep=t,
-                        encoder_hidden_states=text,
-                        return_dict=False,
-                    )[0]
-                    _sync(device)
-                    seconds = time.perf_counter() - t0
+                with _SectionTimer(model, device) as sections:
+                    out, seconds = _forward(model, latents, timesteps, text, i, n_steps, device)
                 if name == "unpatched":
                     reference[i] = out
                 dense = options is None or "attention" not in options or i < SKIP_FIRST_STEPS
-                results.append(StepResult(name, i, seconds, dense, *_drift(out, reference[i])))
+                results.append(
+                    StepResult(
+                        name, i, seconds, dense, *_drift(out, reference[i]), sections.seconds
+                    )
+                )
     finally:
         bar.close()
         ditops.unpatch(model)
@@ -171,7 +237,7 @@ def run(
         rows.append({**r.__dict__, "speedup": base[r.step] / r.seconds})
     summary = _summary(rows, n_steps)
     if plot_path:
-        _plot(rows, plot_path)
+        _plot(rows, summary, plot_path)
     return {
         "config": {
             k: (list(v) if isinstance(v, tuple) else v)
@@ -184,20 +250,21 @@ def run(
         * (latent[4] // cfg.patch_size[2]),
         "steps": n_steps,
         "skip_first_steps": SKIP_FIRST_STEPS,
+        "warmup_seconds": warmups,
         "rows": rows,
         "summary": summary,
     }
 
 
 def _summary(rows: list[dict[str, Any]], n_steps: int) -> list[dict[str, Any]]:
-    """Per variant: speedup over all steps (first step excluded: warm-up/compile) and on
-    the sparse steps alone, with the worst drift."""
+    """Per variant: speedup over all steps and over the sparse steps alone (after an
+    untimed warm-up call), the worst drift, and the mean time per section."""
     out = []
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
         base = {r["step"]: r["seconds"] for r in rows if r["variant"] == "unpatched"}
         sparse_steps = [r for r in mine if not r["dense"]]
-        timed = [r for r in mine if r["step"] > 0] or mine
+        timed = mine
         out.append(
             {
                 "variant": name,
@@ -213,6 +280,11 @@ def _summary(rows: list[dict[str, Any]], n_steps: int) -> list[dict[str, Any]]:
                 "min_cosine": min(r["cosine"] for r in mine),
                 "min_psnr": min(r["psnr"] for r in mine),
                 "bitwise_equal": all(r["max_abs"] == 0 for r in mine),
+                "mean_sections": {
+                    label: sum(r["sections"][label] for r in mine) / len(mine)
+                    for label in SECTIONS.values()
+                },
+                "mean_seconds": sum(r["seconds"] for r in mine) / len(mine),
             }
         )
     return out
@@ -248,9 +320,17 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
             f"{str(s['bitwise_equal']):>8} {s['min_cosine']:>9.6f} {s['min_psnr']:>9.1f}",
             file=out,
         )
+    print("\nwhere the time goes (mean seconds per forward):", file=out)
+    for s in result["summary"]:
+        parts = ", ".join(f"{k} {v:.2f}" for k, v in s["mean_sections"].items())
+        rest = s["mean_seconds"] - sum(s["mean_sections"].values())
+        print(f"  {s['variant']:<13} {parts}, rest {rest:.2f}", file=out)
+    warm = ", ".join(f"{k} {v:.1f} s" for k, v in result["warmup_seconds"].items())
+    print(f"untimed warm-up call per variant (compiles included): {warm}", file=out)
 
 
-def _plot(rows: list[dict[str, Any]], path: str) -> None:
+def _plot(rows: list[dict[str, Any]], summary: list[dict[str, Any]], path: str) -> None:
+    """Left: time per step and variant. Right: where a forward's time goes, per variant."""
     try:
         import matplotlib
 
@@ -262,16 +342,30 @@ def _plot(rows: list[dict[str, Any]], path: str) -> None:
             file=sys.stderr,
         )
         return
-    fig, ax = plt.subplots(figsize=(7, 4))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(12, 4.5))
     for name in dict.fromkeys(r["variant"] for r in rows):
         mine = [r for r in rows if r["variant"] == name]
         ax.plot([r["step"] for r in mine], [r["seconds"] for r in mine], marker="o", label=name)
     ax.axvspan(-0.5, SKIP_FIRST_STEPS - 0.5, color="0.9", label="dense steps")
     ax.set_xlabel("denoising step")
     ax.set_ylabel("seconds per forward")
-    ax.set_title("Wan forward time per step: unpatched vs ditops")
+    ax.set_title("Time per step")
     ax.set_ylim(bottom=0)
-    ax.legend()
+    ax.legend(fontsize=8)
+    names = [s["variant"] for s in summary]
+    bottom = [0.0] * len(names)
+    labels = [*SECTIONS.values(), "norms, modulation, rest"]
+    for label in labels:
+        if label in SECTIONS.values():
+            values = [s["mean_sections"][label] for s in summary]
+        else:
+            values = [s["mean_seconds"] - sum(s["mean_sections"].values()) for s in summary]
+        bx.bar(names, values, bottom=bottom, label=label)
+        bottom = [b + v for b, v in zip(bottom, values)]
+    bx.set_ylabel("mean seconds per forward")
+    bx.set_title("Where the time goes")
+    bx.legend(fontsize=8)
+    fig.suptitle("Wan forward, unpatched vs ditops (ditops bench)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
