@@ -74,6 +74,9 @@ def _bench(args: argparse.Namespace) -> int:
         )
         return 2
     device = torch.device(args.device) if args.device else _default_device()
+    # Every shape of a suite compiles its torch.compile baseline once; past dynamo's
+    # default limit of 8 recompiles it would silently run eager and flatter ditops.
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
     results = []
     payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
     for name in names:

@@ -22,9 +22,12 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
-#: fp32 bytes per block of rows. The three temporaries of a block (about 3x this) sit
-#: in a 2 MiB L2 slice.
-_BLOCK_BYTES = 256 * 1024
+#: fp32 bytes per block of rows. Each ATen call on a block is one parallel region, so
+#: blocks must not be too small either. Measured at bf16 [8192, 5120], 2 threads
+#: (python /tmp/ln_block.py, median of 9): 128 KiB 128 ms, 256 KiB 79 ms, 512 KiB 68 ms,
+#: 1 MiB 67 ms, 2 MiB 69 ms, 4 MiB 63 ms; native 151 ms, clone 28 ms. Preallocated
+#: buffers with native_layer_norm.out gained nothing (71-90 ms).
+_BLOCK_BYTES = 1024 * 1024
 
 
 #: ATen's mixed-dtype kernel computes the mean a little differently; on very short rows
