@@ -7,6 +7,38 @@ tensors through Triton's interpreter (slowly; tests keep their shapes small).
 
 from __future__ import annotations
 
+import logging
 import os
+from collections.abc import Callable, Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+
+@pytest.fixture
+def on_npu() -> Iterator[None]:
+    """CPU tensors take the ``npu`` paths (with a test double of ``attentions`` installed
+    by the test); backend probes, failures and warnings are forgotten before and after."""
+    import ditops
+    from ditops.custom_op import reset_state
+
+    reset_state()
+    with ditops.force_device_kind({"cpu": "npu"}):
+        yield
+    reset_state()
+
+
+@pytest.fixture
+def ditops_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The warnings logged on the ``ditops`` logger so far in the test, as messages."""
+    caplog.set_level(logging.WARNING, logger="ditops")
+
+    def messages() -> list[str]:
+        return [
+            r.getMessage()
+            for r in caplog.records
+            if r.name == "ditops" and r.levelno == logging.WARNING
+        ]
+
+    return messages

@@ -87,14 +87,6 @@ def _clean_state() -> None:
     reset_state()
 
 
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "ditops" and r.levelno == logging.WARNING
-    ]
-
-
 def test_duplicate_name_is_an_error() -> None:
     with pytest.raises(ValueError, match="already registered"):
 
@@ -191,7 +183,7 @@ def test_precision_exact_skips_fast_only_paths() -> None:
     ],
 )
 def test_unusable_backend_falls_back_and_warns_once(
-    reason: str, caplog: pytest.LogCaptureFixture
+    reason: str, caplog: pytest.LogCaptureFixture, ditops_warnings
 ) -> None:
     FAKE.reasons = [reason]
     op = ToyScale()
@@ -200,7 +192,7 @@ def test_unusable_backend_falls_back_and_warns_once(
             assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
         ToyScale()(torch.ones(2))  # another instance of the same op: still one warning
     assert op.ran == ["native"] * 3
-    warnings = _warnings(caplog)
+    warnings = ditops_warnings()
     assert len(warnings) == 1 and reason in warnings[0] and "toy_scale" in warnings[0]
     assert explain("toy_scale", ["cuda"])[0].candidates[0].reasons == [reason]
 
@@ -215,7 +207,9 @@ def test_unusable_backend_raises_in_strict_mode() -> None:
         assert explain("toy_scale", ["cuda"])[0].chosen == "forward_native"
 
 
-def test_kernel_raising_falls_back_for_later_calls_too(caplog: pytest.LogCaptureFixture) -> None:
+def test_kernel_raising_falls_back_for_later_calls_too(
+    caplog: pytest.LogCaptureFixture, ditops_warnings
+) -> None:
     FAKE.raise_at_run_time = True
     op = ToyScale()
     with torch.no_grad(), force_device_kind({"cpu": "cuda"}), caplog.at_level(logging.WARNING):
@@ -223,7 +217,7 @@ def test_kernel_raising_falls_back_for_later_calls_too(caplog: pytest.LogCapture
             assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
     # tried once, then native for that call and every later one on that device kind
     assert op.ran == ["cuda", "native", "native", "native"]
-    warnings = _warnings(caplog)
+    warnings = ditops_warnings()
     assert len(warnings) == 1 and "kernel exploded" in warnings[0]
     reasons = explain("toy_scale", ["cuda"])[0].candidates[0].reasons
     assert any("failed at run time earlier" in r and "kernel exploded" in r for r in reasons)

@@ -22,7 +22,7 @@ import tests.doubles.npu_sparse_attention  # noqa: F401 - registers the fake spa
 from ditops import config
 from ditops.attention import BlockSparseConfig
 from ditops.attention.estimate import estimate_block_mask_reference
-from ditops.custom_op import BackendUnavailableError, reset_state
+from ditops.custom_op import BackendUnavailableError
 from ditops.layers.attention import (
     ATTENTION_TOLERANCE,
     BlockSparseAttention,
@@ -66,19 +66,13 @@ def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, v: torch.Tensor
     assert bool((err <= bound).all()), f"max error {err.max()}, bound {bound.min()}"
 
 
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "ditops" and r.levelno == logging.WARNING
-    ]
-
-
 # --- cpu and cuda: compiled FlexAttention -----------------------------------------------
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_flex_paths_match_native(kind: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_flex_paths_match_native(
+    kind: str, caplog: pytest.LogCaptureFixture, ditops_warnings
+) -> None:
     q, k, v = qkv(**SHAPE_A)
     mask, counts = random_mask(1, 4, 8, 8, seed=1)  # empty row 0, full row 7
     want = native_attention(q, k, v, mask, counts)
@@ -93,7 +87,7 @@ def test_flex_paths_match_native(kind: str, caplog: pytest.LogCaptureFixture) ->
     assert bool((out[:, :, :128] == 0).all())
     assert out_bsnd.is_contiguous()
     assert_attention_close(out_bsnd.transpose(1, 2), want, v)
-    assert not _warnings(caplog)
+    assert not ditops_warnings()
 
 
 def test_flex_causal_bf16_odd_length() -> None:
@@ -130,17 +124,11 @@ def test_gradients_take_the_native_path() -> None:
 # --- npu: the attentions operators, through the test double ----------------------------
 
 
-@pytest.fixture
-def on_npu():
-    reset_state()
-    with ditops.force_device_kind({"cpu": "npu"}):
-        yield
-    reset_state()
-
-
 @pytest.mark.parametrize("layout", ["BNSD", "BSND"])
 @pytest.mark.parametrize("op_name", ["ada_block_sparse_attention", "block_sparse_attention"])
-def test_npu_attention_matches_native(on_npu, layout: str, op_name: str, caplog) -> None:
+def test_npu_attention_matches_native(
+    on_npu, layout: str, op_name: str, caplog, ditops_warnings
+) -> None:
     q, k, v = qkv(4, 2, 300, 32, torch.bfloat16)
     mask, counts = random_mask(1, 4, 3, 3, seed=4)
     args = (q, k, v) if layout == "BNSD" else tuple(bsnd(q, k, v))
@@ -148,7 +136,7 @@ def test_npu_attention_matches_native(on_npu, layout: str, op_name: str, caplog)
         out = block_sparse_attention(*args, mask.bool(), counts, layout=layout, causal=True)
     want = native_attention(*args, mask, counts, layout=layout, causal=True)
     assert_attention_close(out, want, v)
-    assert not _warnings(caplog)
+    assert not ditops_warnings()
     (call,) = calls.of(op_name)
     _, _, _, m, c, lay, size, heads, kv_heads, scale, causal, precise, *_ = call
     assert m.dtype == torch.int8 and c.dtype == torch.int32 and torch.equal(c, counts)
@@ -175,7 +163,7 @@ def test_npu_attention_fp32_runs_native(on_npu) -> None:
 
 
 @pytest.mark.parametrize("case", ["not_installed", "op_missing", "raises"])
-def test_npu_attention_fallbacks_warn_once(on_npu, case: str, caplog) -> None:
+def test_npu_attention_fallbacks_warn_once(on_npu, case: str, caplog, ditops_warnings) -> None:
     q, k, v = qkv(2, 2, 200, 32, torch.bfloat16)
     mask, counts = random_mask(1, 2, 2, 2)
     setups = {
@@ -193,7 +181,7 @@ def test_npu_attention_fallbacks_warn_once(on_npu, case: str, caplog) -> None:
     with setups[case](), torch.no_grad(), caplog.at_level(logging.WARNING):
         for _ in range(3):
             assert torch.equal(block_sparse_attention(q, k, v, mask, counts), want)
-    warnings = _warnings(caplog)
+    warnings = ditops_warnings()
     assert len(warnings) == 1 and expected in warnings[0], warnings
 
 
@@ -251,14 +239,14 @@ def test_npu_estimate_cross_attention_runs_native(on_npu) -> None:
     assert calls.calls == [] and mask.shape == (1, 2, 16, 8)
 
 
-def test_npu_estimate_missing_op_falls_back(on_npu, caplog) -> None:
+def test_npu_estimate_missing_op_falls_back(on_npu, caplog, ditops_warnings) -> None:
     q, k = integer_qk(2, 2, 300)
     with fake_attentions(ops=["ada_block_sparse_attention"]), torch.no_grad():
         with caplog.at_level(logging.WARNING):
             mask, counts = estimate_block_mask(q, k, keep_ratio=0.5, block_size=32, stride=4)
     want = estimate_block_mask_reference(q, k, keep_ratio=0.5, block_size=32, stride=4)
     assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
-    (warning,) = _warnings(caplog)
+    (warning,) = ditops_warnings()
     assert "torch.ops.attentions.sparse_block_estimate" in warning
 
 

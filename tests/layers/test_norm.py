@@ -277,32 +277,18 @@ def test_torch_compile_model_holding_the_op() -> None:
 # --- the NPU path, through the test double ----------------------------------------------
 
 
-@pytest.fixture
-def on_npu():
-    reset_state()
-    with ditops.force_device_kind({"cpu": "npu"}):
-        yield
-    reset_state()
-
-
-def _warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
-    return [
-        r.getMessage()
-        for r in caplog.records
-        if r.name == "ditops" and r.levelno == logging.WARNING
-    ]
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("affine", AFFINE)
-def test_npu_path_matches_native(on_npu: None, affine: str, dtype: torch.dtype, caplog) -> None:
+def test_npu_path_matches_native(
+    on_npu: None, affine: str, dtype: torch.dtype, caplog, ditops_warnings
+) -> None:
     m = make(1000, affine, dtype)
     x = torch.randn(2, 5, 1000, dtype=dtype)
     with fake_attentions() as calls, torch.no_grad():
         out = m(x)
         assert ditops.explain("fp32_layer_norm", ["npu"])[0].chosen == "forward_npu"
     assert_fast(out, native(m, x), atol=LN_ATOL)
-    assert not _warnings(caplog)
+    assert not ditops_warnings()
     (args,) = calls.of("layernorm")
     inp, shape, w, b, eps, impl_mode = args
     assert inp.dtype == dtype and shape == [1000] and eps == pytest.approx(1e-6) and impl_mode == 0
@@ -320,7 +306,9 @@ def test_npu_exact_precision_runs_native(on_npu: None) -> None:
 
 
 @pytest.mark.parametrize("case", ["not_installed", "op_missing", "raises"])
-def test_npu_fallbacks_warn_once(on_npu: None, case: str, caplog: pytest.LogCaptureFixture) -> None:
+def test_npu_fallbacks_warn_once(
+    on_npu: None, case: str, caplog: pytest.LogCaptureFixture, ditops_warnings
+) -> None:
     m = make(64, "affine", torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     expected = {
@@ -339,7 +327,7 @@ def test_npu_fallbacks_warn_once(on_npu: None, case: str, caplog: pytest.LogCapt
         for _ in range(3):
             assert_exact(m(x), native(m, x))
         reasons = ditops.explain("fp32_layer_norm", ["npu"])[0].candidates[0].reasons
-    warnings = _warnings(caplog)
+    warnings = ditops_warnings()
     assert len(warnings) == 1 and expected in warnings[0], warnings
     assert "sgl-kernel-npu" in warnings[0] or case == "raises"
     assert any(expected in r for r in reasons)

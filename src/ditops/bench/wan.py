@@ -45,6 +45,8 @@ DEFAULT_CONFIG: dict[str, Any] = {
 LATENTS = {"small": (1, 16, 8, 64, 64), "full": (1, 16, 16, 64, 64)}
 STEPS = {"small": 4, "full": 6}
 SKIP_FIRST_STEPS = 1
+#: Calls timed per step and variant (the fastest is kept).
+REPEATS = 2
 TEXT_TOKENS = 512
 
 
@@ -218,8 +220,14 @@ def run(
             warmups[name] = warmup
             for i in range(n_steps):
                 bar.step(f"{name} step {i}")
-                with _SectionTimer(model, device) as sections:
-                    out, seconds = _forward(model, latents, timesteps, text, i, n_steps, device)
+                # The faster of two calls: one noisy call on a shared machine moves a
+                # 3-second forward by 10%.
+                timings = []
+                for _ in range(REPEATS):
+                    with _SectionTimer(model, device) as sections:
+                        out, seconds = _forward(model, latents, timesteps, text, i, n_steps, device)
+                    timings.append((seconds, sections.seconds))
+                seconds, section_seconds = min(timings, key=lambda t: t[0])
                 if name == "unpatched":
                     reference[i] = out
                 dense = options is None or "attention" not in options or i < SKIP_FIRST_STEPS
