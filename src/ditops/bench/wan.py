@@ -209,19 +209,27 @@ def run(
     reference: dict[int, torch.Tensor] = {}
     results: list[StepResult] = []
     warmups: dict[str, float] = {}
+
+    def use(options: dict[str, Any] | None) -> None:
+        ditops.unpatch(model)
+        if options is not None:
+            ditops.patch(model, **options)
+
     try:
         for name, options in variants:
-            ditops.unpatch(model)
-            if options is not None:
-                ditops.patch(model, **options)
             # One untimed call at the last (sparse, where there are any) step: compiles
             # (FlexAttention) and first-touch allocations stay out of the step times.
-            warmup = _forward(model, latents, timesteps, text, n_steps - 1, n_steps, device)[1]
-            warmups[name] = warmup
-            for i in range(n_steps):
+            use(options)
+            warmups[name] = _forward(model, latents, timesteps, text, n_steps - 1, n_steps, device)[
+                1
+            ]
+        for i in range(n_steps):
+            # Variants take turns at every step, so a slow spell of a shared machine
+            # lands on all of them rather than on one.
+            for name, options in variants:
                 bar.step(f"{name} step {i}")
-                # The faster of two calls: one noisy call on a shared machine moves a
-                # 3-second forward by 10%.
+                use(options)
+                # The faster of REPEATS calls: one noisy call moves a forward by 10%.
                 timings = []
                 for _ in range(REPEATS):
                     with _SectionTimer(model, device) as sections:
@@ -231,14 +239,12 @@ def run(
                 if name == "unpatched":
                     reference[i] = out
                 dense = options is None or "attention" not in options or i < SKIP_FIRST_STEPS
-                results.append(
-                    StepResult(
-                        name, i, seconds, dense, *_drift(out, reference[i]), sections.seconds
-                    )
-                )
+                drift = _drift(out, reference[i])
+                results.append(StepResult(name, i, seconds, dense, *drift, section_seconds))
     finally:
         bar.close()
         ditops.unpatch(model)
+    results.sort(key=lambda r: [v for v, _ in variants].index(r.variant))
     rows = []
     base = {r.step: r.seconds for r in results if r.variant == "unpatched"}
     for r in results:
