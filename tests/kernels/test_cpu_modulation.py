@@ -276,11 +276,11 @@ def test_custom_ops_pass_opcheck() -> None:
     w = torch.randn(16)
     for exact in (True, False):
         torch.library.opcheck(
-            K.layer_norm_scale_shift, (x, w, None, s, t, EPS, torch.bfloat16, exact)
+            K.layer_norm_scale_shift.op, (x, w, None, s, t, EPS, torch.bfloat16, exact)
         )
-        torch.library.opcheck(K.gated_residual, (r, x, g, exact))
+        torch.library.opcheck(K.gated_residual.op, (r, x, g, exact))
         torch.library.opcheck(
-            K.scale_residual_layer_norm_scale_shift,
+            K.scale_residual_layer_norm_scale_shift.op,
             (r, x, g, None, w, s, t, EPS, torch.float16, exact),
         )
 

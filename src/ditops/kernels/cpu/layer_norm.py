@@ -22,11 +22,13 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ditops.kernels.opaque import opaque_op
+
 #: fp32 bytes per block of rows. Each ATen call on a block is one parallel region, so
 #: blocks must not be too small either. Measured at bf16 [8192, 5120], 2 threads
-#: (benchmarks/cpu/probes/ln_block_size.py, median of 9): 128 KiB 128 ms, 256 KiB 79 ms, 512 KiB 68 ms,
-#: 1 MiB 67 ms, 2 MiB 69 ms, 4 MiB 63 ms; native 151 ms, clone 28 ms. Preallocated
-#: buffers with native_layer_norm.out gained nothing (71-90 ms).
+#: (benchmarks/cpu/probes/ln_block_size.py, median of 9): 128 KiB 128 ms, 256 KiB 79 ms,
+#: 512 KiB 68 ms, 1 MiB 67 ms, 2 MiB 69 ms, 4 MiB 63 ms; native 151 ms, clone 28 ms.
+#: Preallocated buffers with native_layer_norm.out gained nothing (71-90 ms).
 _BLOCK_BYTES = 1024 * 1024
 
 
@@ -40,7 +42,7 @@ def _rows_per_block(row_len: int) -> int:
     return max(1, _BLOCK_BYTES // max(1, 4 * row_len))
 
 
-@torch.library.custom_op("ditops::cpu_fp32_layer_norm", mutates_args=())
+@opaque_op("ditops::cpu_fp32_layer_norm")
 def fp32_layer_norm(
     x: torch.Tensor,
     normalized_shape: Sequence[int],

@@ -42,6 +42,8 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ditops.kernels.opaque import opaque_op
+
 #: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
 #: busy machine each region waits for a descheduled worker thread, so fewer, larger
 #: blocks are far more robust, and on a quiet one the size barely matters. Measured at
@@ -339,7 +341,7 @@ def _fast(
 # --- the custom ops ---------------------------------------------------------------------
 
 
-@torch.library.custom_op("ditops::cpu_layer_norm_scale_shift", mutates_args=())
+@opaque_op("ditops::cpu_layer_norm_scale_shift")
 def layer_norm_scale_shift(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -368,7 +370,7 @@ def _(x, weight, bias, scale, shift, eps, out_dtype, exact):
     return torch.empty(x.shape, dtype=out_dtype, device=x.device)
 
 
-@torch.library.custom_op("ditops::cpu_gated_residual", mutates_args=())
+@opaque_op("ditops::cpu_gated_residual")
 def gated_residual(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, exact: bool
 ) -> torch.Tensor:
@@ -387,7 +389,7 @@ def _(residual, x, gate, exact):
     return torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
 
 
-@torch.library.custom_op("ditops::cpu_scale_residual_layer_norm_scale_shift", mutates_args=())
+@opaque_op("ditops::cpu_scale_residual_layer_norm_scale_shift")
 def scale_residual_layer_norm_scale_shift(
     residual: torch.Tensor,
     x: torch.Tensor,

@@ -49,6 +49,8 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ditops.kernels.opaque import opaque_op
+
 # The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even (see above).
 EXPLICIT_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
 
@@ -391,7 +393,7 @@ def new_output(t: Tensor, dtype: torch.dtype | None = None) -> Tensor:
     return torch.empty(t.shape, dtype=dtype or t.dtype, device=t.device)
 
 
-@torch.library.custom_op("ditops::triton_fp32_layer_norm", mutates_args=())
+@opaque_op("ditops::triton_fp32_layer_norm")
 def _triton_fp32_layer_norm(
     x: Tensor, weight: Tensor | None, bias: Tensor | None, eps: float
 ) -> Tensor:

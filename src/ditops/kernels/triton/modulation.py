@@ -43,6 +43,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ditops.kernels.opaque import opaque_op
 from ditops.kernels.triton.layer_norm import (
     SUPPORTED_DTYPES,
     check_affine,
@@ -137,7 +138,7 @@ def _check_residual_pair(residual: Tensor, x: Tensor, gate: Tensor | None) -> No
 # ----------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("ditops::triton_layer_norm_scale_shift", mutates_args=())
+@opaque_op("ditops::triton_layer_norm_scale_shift")
 def _layer_norm_scale_shift_op(
     x: Tensor,
     weight: Tensor | None,
@@ -180,7 +181,7 @@ def _launch_gated_residual(residual: Tensor, x: Tensor, gate: Tensor | None, out
     )  # fmt: skip
 
 
-@torch.library.custom_op("ditops::triton_gated_residual", mutates_args=())
+@opaque_op("ditops::triton_gated_residual")
 def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     out = new_output(residual)
     _launch_gated_residual(residual, x, gate, out)
@@ -190,7 +191,7 @@ def _gated_residual_op(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tens
 _gated_residual_op.register_fake(lambda residual, x, gate: new_output(residual))
 
 
-@torch.library.custom_op("ditops::triton_scale_residual_layer_norm_scale_shift", mutates_args=())
+@opaque_op("ditops::triton_scale_residual_layer_norm_scale_shift")
 def _scale_residual_layer_norm_scale_shift_op(
     residual: Tensor,
     x: Tensor,
