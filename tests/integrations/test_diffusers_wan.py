@@ -144,11 +144,31 @@ def test_fast_patch_within_tolerance() -> None:
     assert rel <= FAST_REL_TOL, rel
 
 
-def test_i2v_added_kv_and_no_cross_attn_norm() -> None:
-    model = tiny_wan(keep_fp32=False, cross_attn_norm=False)
+def test_no_cross_attn_norm() -> None:
+    model = tiny_wan(keep_fp32=False, cross_attn_norm=False)  # norm2 is nn.Identity
     x = inputs()
     ref = run(model, **x)
     ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("keep_fp32", [False, True], ids=["to_bf16", "fp32_modules"])
+def test_i2v_with_image_keys_and_values(keep_fp32: bool) -> None:
+    # Wan I2V: an image embedder (with its own FP32LayerNorms) and added k/v projections
+    # in cross-attention; diffusers' processor takes all but the last 512 context tokens
+    # as the image's.
+    model = tiny_wan(keep_fp32, image_dim=8, added_kv_proj_dim=32)
+    x = inputs()
+    g = torch.Generator().manual_seed(2)
+    x["encoder_hidden_states"] = torch.randn(1, 512, 16, generator=g).bfloat16()
+    x["encoder_hidden_states_image"] = torch.randn(1, 5, 8, generator=g).bfloat16()
+    ref = run(model, **x)
+    report = ditops.patch(
+        model, precision="exact", attention=BlockSparseConfig(sparsity=0.0, block_size=32, stride=4)
+    )
+    assert report.models["WanTransformer3DModel"]["norms"] >= 8  # blocks, output, image embedder
+    assert torch.equal(run(model, step=0, **x), ref)
+    ditops.unpatch(model)
     assert torch.equal(run(model, **x), ref)
 
 
