@@ -274,3 +274,27 @@ def test_bad_targets_and_options() -> None:
         ditops.patch(object())
     with pytest.raises(PatchError, match="precision"):
         ditops.patch(nn.Linear(2, 2), precision="fastest")
+
+
+def test_pipeline_patches_every_transformer() -> None:
+    # A stand-in for a Wan2.2 pipeline: diffusers pipelines list their modules in
+    # ``components``; the A14B one has ``transformer`` and ``transformer_2``.
+    class Pipe:
+        def __init__(self) -> None:
+            self.components = {
+                "transformer": tiny_wan(keep_fp32=False),
+                "transformer_2": tiny_wan(keep_fp32=True),
+                "vae": nn.Linear(2, 2),
+                "scheduler": object(),
+            }
+
+    pipe = Pipe()
+    x = inputs()
+    refs = {n: run(pipe.components[n], **x) for n in ("transformer", "transformer_2")}
+    report = ditops.patch(pipe, precision="exact")
+    assert set(report.models) == {"transformer", "transformer_2"}
+    assert "transformer: " in str(report) and "fused blocks" in str(report)
+    for name, ref in refs.items():
+        assert torch.equal(run(pipe.components[name], **x), ref)
+    ditops.unpatch(pipe)
+    assert not any(hasattr(pipe.components[n], "_ditops_patch") for n in refs)
