@@ -265,3 +265,14 @@ def test_threads_dispatch_concurrently() -> None:
     for t in threads:
         t.join()
     assert not errors and op.ran.count("cpu") == 200
+
+
+def test_plan_cache_does_not_grow_with_repeated_overrides() -> None:
+    op = ToyScale()
+    with torch.no_grad():
+        for _ in range(50):
+            with config.override(precision="exact"):
+                op(torch.ones(2))
+            op(torch.ones(2))
+    assert len(ToyScale._plans) <= 2  # (cpu, exact) and (cpu, fast)
+    assert op.ran == ["cpu"] * 100

@@ -224,7 +224,7 @@ class CustomOp(nn.Module):
     """Base class of every ditops op. See the module docstring."""
 
     op_name: ClassVar[str] = ""
-    _plans: ClassVar[dict[tuple[str, str, int, int], _Plan]] = {}
+    _plans: ClassVar[dict[tuple[Any, ...], _Plan]] = {}
     #: Per-module precision; ``None`` follows the process setting (``DITOPS_PRECISION``).
     precision: str | None = None
 
@@ -309,7 +309,9 @@ class CustomOp(nn.Module):
     @classmethod
     def _plan(cls, kind: str, precision: str) -> _Plan:
         cfg = config.get()
-        key = (kind, precision, cfg.version, _state_version)
+        # Keyed by the settings' values, not their version: a block under
+        # config.override(...) with the same values reuses the plans (no growth per call).
+        key = (kind, precision, cfg.custom_ops, cfg.strict, _state_version)
         plan = cls._plans.get(key)
         if plan is None:
             plan = cls._make_plan(kind, precision, cfg)
