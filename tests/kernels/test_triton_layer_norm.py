@@ -191,3 +191,26 @@ def test_custom_op_is_registered_with_a_fake():
         (x, torch.randn(7), None, 1e-5),
         test_utils=("test_schema", "test_faketensor"),
     )
+
+
+@pytest.mark.parametrize("row_kernel", [True, False], ids=["row_kernel", "tile_kernel"])
+@pytest.mark.parametrize(
+    ("shape", "dtype", "affine"),
+    [
+        ((3, 2048), BF16, "fp32"),
+        ((2, 3000), FP16, "low"),
+        ((2, 2, 5120), BF16, "weight_only"),
+        ((4, 5120), FP32, "none"),
+    ],
+)
+def test_one_row_per_program_both_kernels(
+    monkeypatch: pytest.MonkeyPatch, shape, dtype, affine, row_kernel: bool
+):
+    # Rows of 2048+ elements run one per program: the 1-D row kernel, or the 2-D tile
+    # kernel when it is switched off. Both must give the meaning, strided rows included.
+    monkeypatch.setattr(tln, "ROW_KERNEL", row_kernel)
+    torch.manual_seed(1)
+    wide = (torch.randn(*shape[:-1], shape[-1] + 64) * 3 + 5).to(dtype)
+    x = wide[..., 32 : 32 + shape[-1]]  # row stride larger than the row
+    weight, bias = make_affine(shape[-1], affine, dtype)
+    assert_matches(tln.fp32_layer_norm(x, weight, bias, 1e-6), native(x, weight, bias, 1e-6))

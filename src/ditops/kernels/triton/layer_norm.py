@@ -240,6 +240,38 @@ def _layer_norm_kernel(
                              sc_off, sc_sc, sh_off, sh_sc, C, HAS_W, HAS_B, HAS_MOD)  # fmt: skip
 
 
+@triton.jit
+def _layer_norm_row_kernel(
+    X, W, Bias, Out, L, C, eps, x_sb, x_sl,
+    HAS_W: tl.constexpr, HAS_B: tl.constexpr, BLOCK_C: tl.constexpr,
+):  # fmt: skip
+    """The plain LayerNorm, one row per program with scalar row offsets (1-D tiles).
+
+    Same numerics as ``_layer_norm_kernel`` without prologue or epilogue. The 2-D tile
+    form with one row per program reached 0.37-0.51 of copy bandwidth on an H200 where a
+    1-D one-row kernel reached 0.76-0.91 (benchmarks/gpu/ln_experiment.py).
+    """
+    row = tl.program_id(0).to(tl.int64)
+    b = row // L
+    cols = tl.arange(0, BLOCK_C)
+    mask = cols < C
+    v = tl.load(X + b * x_sb + (row - b * L) * x_sl + cols, mask=mask, other=0.0).to(tl.float32)
+    n = tl.cast(C, tl.float32)
+    mean = tl.math.div_rn(tl.sum(v, axis=0), n)
+    d = tl.where(mask, v - mean, 0.0)
+    rstd = tl.math.div_rn(1.0, tl.sqrt_rn(tl.math.div_rn(tl.sum(d * d, axis=0), n) + eps))
+    y = d * rstd
+    if HAS_W:
+        y = y * tl.load(W + cols, mask=mask, other=0.0).to(tl.float32)
+    if HAS_B:
+        y = y + tl.load(Bias + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Out + row * C + cols, round_rne(y, Out.dtype.element_ty), mask=mask)
+
+
+#: Use ``_layer_norm_row_kernel`` for plain LayerNorms of one row per program.
+ROW_KERNEL = True
+
+
 # ----------------------------------------------------------------------------------------
 # Host side
 # ----------------------------------------------------------------------------------------
@@ -350,6 +382,13 @@ def launch_layer_norm(
     block_m, block_c, loop, num_warps = launch_config(n_rows, c, max_block_c)
     w = weight.contiguous() if weight is not None else None
     b = bias.contiguous() if bias is not None else None
+    if ROW_KERNEL and block_m == 1 and not loop and residual is None and scale is None:
+        _layer_norm_row_kernel[(n_rows,)](
+            x, w if w is not None else x, b if b is not None else x, out,
+            length, c, eps, x_sb, x_sl,
+            HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=block_c, num_warps=num_warps,
+        )  # fmt: skip
+        return
     grid = (triton.cdiv(n_rows, block_m),)
     _layer_norm_kernel[grid](
         residual if residual is not None else x, x, gate if gate is not None else x,
