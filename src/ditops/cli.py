@@ -81,6 +81,15 @@ def _bench(args: argparse.Namespace) -> int:
     payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
     for name in names:
         if name == "wan":
+            try:
+                import diffusers  # noqa: F401 - the wan suite builds a diffusers model
+            except ImportError:
+                print(
+                    "ditops bench: the wan suite needs diffusers: pip install 'ditops[bench]' "
+                    "(or run an op suite: ditops bench layer_norm)",
+                    file=sys.stderr,
+                )
+                return 2
             payload["wan"] = _bench_wan(args, device)
             continue
         suite = suites[name]

@@ -97,3 +97,13 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     assert set(summary["unpatched"]["mean_sections"]) == set(wan.SECTIONS.values())
     assert result["video_tokens"] == 2 * 16 * 16
     assert plot.stat().st_size > 1000
+
+
+def test_bench_wan_without_diffusers_says_what_to_install(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sys
+
+    monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers -> ImportError
+    assert cli.main(["bench", "wan", "--no-progress"]) == 2
+    assert "pip install 'ditops[bench]'" in capsys.readouterr().err
