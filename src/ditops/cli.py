@@ -90,7 +90,11 @@ def _bench(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            payload["wan"] = _bench_wan(args, device)
+            try:
+                payload["wan"] = _bench_wan(args, device)
+            except FileNotFoundError as exc:  # --model PATH that is not a checkpoint
+                print(f"ditops bench: {exc}", file=sys.stderr)
+                return 2
             continue
         suite = suites[name]
         print(

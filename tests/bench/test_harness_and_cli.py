@@ -107,3 +107,9 @@ def test_bench_wan_without_diffusers_says_what_to_install(
     monkeypatch.setitem(sys.modules, "diffusers", None)  # import diffusers -> ImportError
     assert cli.main(["bench", "wan", "--no-progress"]) == 2
     assert "pip install 'ditops[bench]'" in capsys.readouterr().err
+
+
+def test_bench_wan_model_path_must_exist(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    missing = tmp_path / "no-such-checkpoint"
+    assert cli.main(["bench", "wan", "--model", str(missing), "--no-progress"]) == 2
+    assert "is not a directory holding a diffusers checkpoint" in capsys.readouterr().err
