@@ -119,7 +119,7 @@ def parse_precision(text: str) -> Precision:
 
 @dataclass(frozen=True)
 class Config:
-    """The settings in force. ``version`` changes whenever they do (dispatch caches key on it)."""
+    """The settings in force. ``version`` counts installs of settings (for diagnostics)."""
 
     custom_ops: OpsSelection = field(default_factory=OpsSelection)
     strict: bool = False
