@@ -14,21 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from ditops.kernels.triton import layer_norm as tln
+from tests.precision import ulp_distance
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-
-_BITS = {FP32: (torch.int32, 0x7FFFFFFF), BF16: (torch.int16, 0x7FFF), FP16: (torch.int16, 0x7FFF)}
-
-
-def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Number of representable values between a and b (same dtype; NaN excluded)."""
-    int_dtype, magnitude = _BITS[a.dtype]
-
-    def ordered(t: torch.Tensor) -> torch.Tensor:
-        i = t.contiguous().view(int_dtype).to(torch.int64)
-        return torch.where(i < 0, -(i & magnitude), i)
-
-    return (ordered(a) - ordered(b)).abs()
 
 
 def assert_matches(

@@ -376,15 +376,16 @@ def test_triton_declines_scalar_gate_on_low_precision(on_cuda: None) -> None:
 
 
 @pytest.fixture
-def on_npu() -> Any:
-    reset_state()
-    with ditops.force_device_kind({"cpu": "npu"}), torch.no_grad():
+def npu_no_grad(on_npu: None) -> Any:
+    """conftest's ``on_npu`` (CPU tensors take the npu paths), under ``torch.no_grad``."""
+    with torch.no_grad():
         yield
-    reset_state()
 
 
 @pytest.mark.parametrize("kind", ["batch", "frame", "vector"])
-def test_npu_path_folds_modulation_into_layernorm(on_npu: None, kind: str, caplog: Any) -> None:
+def test_npu_path_folds_modulation_into_layernorm(
+    npu_no_grad: None, kind: str, caplog: Any
+) -> None:
     h, attn = torch.randn(B, L, C).bfloat16(), torch.randn(B, L, C).bfloat16()
     norm = fp32_norm(True)
     w, b = _params(norm)
@@ -411,7 +412,7 @@ def test_npu_path_folds_modulation_into_layernorm(on_npu: None, kind: str, caplo
         assert weight.dtype == bias.dtype == torch.float32 and eps == pytest.approx(EPS)
 
 
-def test_npu_runs_native_where_it_cannot_fold(on_npu: None) -> None:
+def test_npu_runs_native_where_it_cannot_fold(npu_no_grad: None) -> None:
     h = torch.randn(B, L, C).bfloat16()
     scale = _rnd(B, L, C)
     with fake_attentions() as calls:
@@ -430,7 +431,7 @@ def test_npu_runs_native_where_it_cannot_fold(on_npu: None) -> None:
     assert calls.calls == []
 
 
-def test_npu_missing_falls_back_or_raises_in_strict_mode(on_npu: None, caplog: Any) -> None:
+def test_npu_missing_falls_back_or_raises_in_strict_mode(npu_no_grad: None, caplog: Any) -> None:
     h, scale = torch.randn(B, L, C).bfloat16(), _rnd(B, 1, C)
     ref = wan_norm(fp32_norm(False), h, scale, 0)
     with no_attentions(), caplog.at_level(logging.WARNING):
