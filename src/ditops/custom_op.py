@@ -250,7 +250,7 @@ class CustomOp(nn.Module):
         """Run the best usable path for these inputs' device kind."""
         first = _first_tensor(args, kwargs)
         kind = device_kind(first) if first is not None else "cpu"
-        plan = self._plan(kind, self.resolved_precision())
+        plan = self._plan(kind, self.precision)
         if plan.method is None or self._call_reasons(plan.spec, kind, args, kwargs):
             return self.forward_native(*args, **kwargs)
         if torch.compiler.is_compiling():
@@ -307,8 +307,10 @@ class CustomOp(nn.Module):
         logger.warning("ditops op %r falls back to forward_native: %s", cls.op_name, message)
 
     @classmethod
-    def _plan(cls, kind: str, precision: str) -> _Plan:
-        cfg = config.get()
+    def _plan(cls, kind: str, module_precision: str | None) -> _Plan:
+        """The cached plan for ``kind`` under the module's precision (None: the process's)."""
+        cfg = config.get()  # read once per call: it also gives the precision
+        precision = module_precision or cfg.precision
         # Keyed by the settings' values, not their version: a block under
         # config.override(...) with the same values reuses the plans (no growth per call).
         key = (kind, precision, cfg.custom_ops, cfg.strict, _state_version)
@@ -368,7 +370,7 @@ class CustomOp(nn.Module):
         """The choice :meth:`dispatch` would make for these very inputs, with reasons."""
         first = _first_tensor(args, kwargs)
         kind = device_kind(first) if first is not None else "cpu"
-        plan = self._plan(kind, self.resolved_precision())
+        plan = self._plan(kind, self.precision)
         decision = plan.decision
         if plan.method is not None:
             call = self._call_reasons(plan.spec, kind, args, kwargs)
