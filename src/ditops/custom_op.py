@@ -58,6 +58,7 @@ class PathSpec:
     precisions: frozenset[str] = frozenset({"fast"})
     dtypes: frozenset[torch.dtype] | None = None
     inference_only: bool = False
+    propagates_non_finite: bool = False
 
     def accepts(self) -> str:
         """What this path takes, in words (for explanations)."""
@@ -81,6 +82,7 @@ def fast_path(
     precisions: Iterable[str] = ("fast",),
     dtypes: Iterable[torch.dtype] | None = None,
     inference_only: bool = False,
+    propagates_non_finite: bool = False,
 ) -> Callable[[F], F]:
     """Declare a ``forward_<kind>`` method as a fast path.
 
@@ -91,6 +93,8 @@ def fast_path(
         dtypes: dtypes the tensor arguments may have (``None``: any).
         inference_only: the path has no autograd support; it is skipped when a
             gradient is needed (grad mode on and an input or parameter requires grad).
+        propagates_non_finite: tested to propagate NaN/inf exactly as the meaning does,
+            so the op's ``meaning_for_non_finite`` check is not needed for this path.
     """
     precs = frozenset(precisions)
     bad = precs - set(config.PRECISIONS)
@@ -101,6 +105,7 @@ def fast_path(
         precisions=precs,
         dtypes=None if dtypes is None else frozenset(dtypes),
         inference_only=inference_only,
+        propagates_non_finite=propagates_non_finite,
     )
 
     def decorate(fn: F) -> F:
@@ -217,6 +222,24 @@ def _tensors(args: tuple[Any, ...], kwargs: dict[str, Any]) -> Iterable[torch.Te
             yield a
 
 
+#: The reason a call with NaN/inf in a guarded input runs the meaning.
+NON_FINITE_REASON = "an input holds NaN or inf: the meaning runs, so they propagate as in it"
+
+
+def _finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
+    """0-d bool: no NaN/inf in ``tensors``.
+
+    One ``aminmax`` per tensor: a single read, no temporary, no overflow (a sum in the
+    tensor's dtype could overflow fp16; an fp32 sum of bf16 is 10x slower on CPU).
+    Measured at bf16 [1, 12, 8192, 128] on the project CPU: 8 ms per tensor, about half a
+    clone. Reading the flag on an accelerator waits for its queue.
+    """
+    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
+    if not flags:
+        return torch.tensor(True)
+    return torch.stack(flags).all()
+
+
 @dataclass(frozen=True)
 class _Plan:
     method: Callable[..., Any] | None  # the fast path to try, or None for native
@@ -232,6 +255,10 @@ class CustomOp(nn.Module):
 
     op_name: ClassVar[str] = ""
     _plans: ClassVar[dict[tuple[Any, ...], _Plan]] = {}
+    #: Positions of the tensor arguments whose NaN/inf must reach the output as the
+    #: meaning propagates them, where fast kernels may not (attention kernels turn a NaN
+    #: query row into zeros). A call with non-finite values there runs the meaning.
+    meaning_for_non_finite: ClassVar[tuple[int, ...]] = ()
     #: Per-module precision; ``None`` follows the process setting (``DITOPS_PRECISION``).
     precision: str | None = None
 
@@ -309,7 +336,24 @@ class CustomOp(nn.Module):
         method = getattr(type(self), name)
         if self._call_reasons(method._ditops_path, kind, args, kwargs):
             return self.forward_native(*args, **kwargs)
-        return method(self, *args, **kwargs)
+        if not self.meaning_for_non_finite or method._ditops_path.propagates_non_finite:
+            return method(self, *args, **kwargs)
+        # No data-dependent Python branch in a graph: torch.cond picks the meaning when a
+        # guarded input holds NaN/inf.
+        positions = [i for i, a in enumerate(args) if isinstance(a, torch.Tensor)]
+
+        def rebuild(tensors: tuple[torch.Tensor, ...]) -> list[Any]:
+            full = list(args)
+            for i, t in zip(positions, tensors):
+                full[i] = t
+            return full
+
+        return torch.cond(
+            _finite(self._guarded_tensors(args)),
+            lambda *ts: method(self, *rebuild(ts), **kwargs),
+            lambda *ts: self.forward_native(*rebuild(ts), **kwargs),
+            tuple(args[i] for i in positions),
+        )
 
     def _call_reasons(
         self, spec: PathSpec | None, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]
@@ -327,7 +371,18 @@ class CustomOp(nn.Module):
             if needs_grad:
                 reasons.append("grad enabled: this path has no backward")
         reasons.extend(self.fast_path_reasons(kind, *args, **kwargs))
+        if (
+            not reasons
+            and self.meaning_for_non_finite
+            and not (spec is not None and spec.propagates_non_finite)
+            and not torch.compiler.is_compiling()  # traced: a torch.cond instead
+            and not bool(_finite(self._guarded_tensors(args)))
+        ):
+            reasons.append(NON_FINITE_REASON)
         return reasons
+
+    def _guarded_tensors(self, args: tuple[Any, ...]) -> list[torch.Tensor]:
+        return [args[i] for i in self.meaning_for_non_finite if i < len(args)]
 
     def _give_up(self, kind: str, spec: PathSpec | None, exc: Exception) -> None:
         global _state_version

@@ -12,6 +12,10 @@ Two ops, each a registered CustomOp with a functional entry point of the same na
   ``npu`` through ``torch.ops.attentions.ada_block_sparse_attention`` (or its older
   name ``block_sparse_attention``). Other devices run native.
 
+NaN and inf in q, k or v propagate as in the meaning: such a call runs the meaning
+(checked with one ``aminmax`` per tensor, about half a copy of it; inside a compiled
+graph with ``torch.cond``).
+
 Precision: every fast path is ``fast`` only (``exact`` runs native). For attention,
 ``fast`` means within ``ATTENTION_TOLERANCE`` of native (fp32 inside, rounded once):
 FlexAttention and the NPU kernel round softmax probabilities to the input dtype before
@@ -273,6 +277,10 @@ estimate_block_mask = EstimateBlockMask()
 @register_op("block_sparse_attention")
 class BlockSparseAttentionOp(CustomOp):
     """Block-sparse attention. Call as ``block_sparse_attention(q, k, v, mask, counts, ...)``."""
+
+    # NaN/inf in q, k or v: the meaning runs (FlexAttention turns a NaN query row into
+    # zeros and ignores an inf key; the meaning gives NaN as dense SDPA does).
+    meaning_for_non_finite = (0, 1, 2)
 
     def forward(  # type: ignore[override]
         self,
