@@ -259,8 +259,21 @@ class CustomOp(nn.Module):
     #: meaning propagates them, where fast kernels may not (attention kernels turn a NaN
     #: query row into zeros). A call with non-finite values there runs the meaning.
     meaning_for_non_finite: ClassVar[tuple[int, ...]] = ()
-    #: Per-module precision; ``None`` follows the process setting (``DITOPS_PRECISION``).
-    precision: str | None = None
+    _precision: str | None = None
+
+    @property
+    def precision(self) -> str | None:
+        """Per-module precision, ``"fast"``/``"exact"``; ``None`` follows the settings
+        (``DITOPS_PRECISION``). Checked when set: anything else raises ValueError."""
+        return self._precision
+
+    @precision.setter
+    def precision(self, value: str | None) -> None:
+        if value is not None and (not isinstance(value, str) or value not in config.PRECISIONS):
+            raise ValueError(
+                f"{type(self).__name__}.precision must be 'fast', 'exact' or None, got {value!r}"
+            )
+        self._precision = value
 
     # -- what subclasses provide ----------------------------------------------------------
 

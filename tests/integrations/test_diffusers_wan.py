@@ -16,6 +16,7 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError, set_step
+from ditops.integrations.base import ModuleSwap
 from ditops.layers.norm import FP32LayerNorm
 
 diffusers = pytest.importorskip(
@@ -180,7 +181,8 @@ def test_patch_twice_is_harmless_and_other_options_repatch() -> None:
     again = ditops.patch(model, precision="exact")
     assert first.models == again.models
     assert isinstance(model.blocks[0].norm1, FP32LayerNorm)
-    assert len(model._ditops_patch.modules) == first.models["WanTransformer3DModel"]["norms"]
+    swaps = [c for c in model._ditops_patch.changes if isinstance(c, ModuleSwap)]
+    assert len(swaps) == first.models["WanTransformer3DModel"]["norms"]
     ditops.patch(model, precision="fast")
     assert model.blocks[0].norm1.precision == "fast"
     ditops.unpatch(model)
