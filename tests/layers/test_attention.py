@@ -104,6 +104,61 @@ def test_flex_paths_match_native(
     assert not ditops_warnings()
 
 
+def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str):
+    q, k, v = q.clone(), k.clone(), v.clone()
+    if where == "nan_q_row":
+        q[0, 1, 300] = float("nan")  # one query row
+    elif where == "inf_k":
+        k[0, 1, 700, 3] = float("inf")
+    elif where == "nan_v":
+        v[0, 0, 5, 0] = float("nan")
+    return q, k, v
+
+
+def assert_same_non_finite(out: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> None:
+    """NaN/inf exactly where the meaning has them; the rest within the fast tolerance
+    (a compiled graph runs the meaning through inductor, not bit for bit)."""
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
+    finite = want.isfinite()
+    assert bool(finite.any())
+    scale_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    assert_attention_close(out.masked_fill(~finite, 0), want.masked_fill(~finite, 0), scale_v)
+
+
+@pytest.mark.parametrize("where", ["nan_q_row", "inf_k", "nan_v"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_nan_and_inf_propagate_as_in_the_meaning(kind: str, where: str) -> None:
+    # Regression: FlexAttention turned a NaN query row into zeros (the meaning and dense
+    # SDPA give NaN) and ignored an inf key.
+    q, k, v = _poison(*qkv(**SHAPE_A), where)
+    mask, counts = random_mask(1, 4, 8, 8, seed=1, density=1.0)
+    want = native_attention(q, k, v, mask, counts)
+    assert bool(want.isnan().any())
+    forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
+    with forced, torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+    assert decision.chosen == "forward_native"
+    assert any("NaN or inf" in r for r in decision.candidates[0].reasons)
+    assert_same_non_finite(out, want, v)
+
+
+def test_nan_propagates_inside_a_compiled_graph() -> None:
+    q, k, v = _poison(*qkv(**SHAPE_A), "nan_q_row")
+    mask, counts = random_mask(1, 4, 8, 8, seed=1)
+
+    @torch.compile(fullgraph=True)
+    def attend(q, k, v, mask, counts):
+        return block_sparse_attention(q, k, v, mask, counts)
+
+    with torch.no_grad():
+        poisoned = attend(q, k, v, mask, counts)
+        clean_q = torch.nan_to_num(q)
+        clean = attend(clean_q, k, v, mask, counts)
+    assert_same_non_finite(poisoned, native_attention(q, k, v, mask, counts), v)
+    assert_attention_close(clean, native_attention(clean_q, k, v, mask, counts), v)
+
+
 def test_flex_causal_bf16_odd_length() -> None:
     q, k, v = qkv(**SHAPE_B)
     mask, counts = random_mask(1, 2, 33, 33, seed=2)

@@ -197,42 +197,73 @@ def test_from_module_rejects_other_modules() -> None:
         FP32LayerNorm.from_module(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
-# --- the fp32 weight cache -------------------------------------------------------------
+# --- fp32 weights: cast per call, never stale --------------------------------------------
 
 
-def test_cache_no_copy_for_fp32_params() -> None:
+def test_fp32_params_are_used_as_they_are() -> None:
     m = make(16, "affine")
     with torch.no_grad():
         w, b = m._params32()
     assert w is m.weight and b is m.bias
 
 
-def test_cache_reused_and_refreshed() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("custom_ops", ["all", "none"])
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_weights_edited_through_data_are_seen(
+    dtype: torch.dtype, custom_ops: str, precision: str
+) -> None:
+    # Regression: a cache keyed on (data_ptr, _version) kept the old fp32 copy after an
+    # edit through .data (LoRA fusing does that), on every path.
+    m = make(256, "affine", dtype)
+    x = torch.randn(4, 256, dtype=dtype)
+    with torch.no_grad(), config.override(custom_ops=custom_ops, precision=precision):
+        before = m(x)
+        m.weight.data.mul_(2.0)
+        m.bias.data.add_(1.0)
+        after = m(x)
+        assert not torch.equal(before, after)
+        if precision == "exact":
+            assert_exact(after, diffusers_meaning(m, x))
+        assert torch.equal(m.forward_native(x), diffusers_meaning(m, x))
+        m.weight.data = torch.full_like(m.weight, 3.0)  # a new tensor behind .data
+        assert torch.equal(m.forward_native(x), diffusers_meaning(m, x))
+
+
+def test_weights_follow_load_state_dict_and_to() -> None:
     m = make(16, "affine", torch.bfloat16)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad():
-        w1, _ = m._params32()
-        w2, _ = m._params32()
-        assert w1 is w2 and w1.dtype == torch.float32
-        m.weight.mul_(2)  # in-place update bumps _version
-        w3, _ = m._params32()
-        assert w3 is not w1 and torch.equal(w3, m.weight.float())
-        assert_exact(m(x), diffusers_meaning(m, x))
         m.load_state_dict({"weight": torch.ones(16), "bias": torch.zeros(16)})
-        w4, _ = m._params32()
-        assert torch.equal(w4, torch.ones(16))
+        assert torch.equal(m._params32()[0], torch.ones(16))
         m.to(torch.float16)
-        w5, _ = m._params32()
-        assert w5.dtype == torch.float32 and torch.equal(w5, m.weight.float())
+        w, _ = m._params32()
+        assert w.dtype == torch.float32 and torch.equal(w, m.weight.float())
         assert_exact(m(x.half()), diffusers_meaning(m, x.half()))
-    assert "_fp32" not in str(m.state_dict().keys())
     assert set(m.state_dict()) == {"weight", "bias"}
+
+
+def test_a_callers_device_mistake_leaves_the_fast_path_on(ditops_warnings) -> None:
+    # Regression: a norm built on the meta device called with a CPU tensor raised (fine),
+    # then every FP32LayerNorm in the process ran forward_native.
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    on_meta = FP32LayerNorm(64, device="meta")
+    for strict in (False, True):
+        with torch.no_grad(), config.override(strict=strict):
+            with pytest.raises(RuntimeError, match="meta") as info:
+                on_meta(x)
+            assert not isinstance(info.value, BackendUnavailableError)
+    other = make(64, "affine", torch.bfloat16)
+    with torch.no_grad():
+        assert other.explain_call(x).chosen == "forward_cpu"
+        assert_fast(other(x), native(other, x))
+    assert ditops_warnings() == []
 
 
 def test_grad_reaches_weights() -> None:
     m = make(16, "affine", torch.bfloat16)
     x = torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True)
-    out = m(x)  # grad enabled: cache bypassed, native path
+    out = m(x)  # grad enabled: native path
     out.float().sum().backward()
     assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
     assert x.grad is not None
@@ -244,8 +275,7 @@ def test_two_threads_share_a_module() -> None:
     m = make(512, "affine", torch.bfloat16)
     xs = [torch.randn(64, 512, dtype=torch.bfloat16) for _ in range(2)]
     refs = [native(m, x) for x in xs]
-    m._fp32.clear()
-    m.precision = "exact"  # per module: config.override is process-wide, not per thread
+    m.precision = "exact"
     errors: list[BaseException] = []
 
     def work(i: int) -> None:

@@ -19,6 +19,10 @@ are a multiple of 128 in [128, 512] and the kernels' other limits
 (:mod:`ditops.backends.npu`); any other call runs native, with the reason in
 ``explain_call``.
 
+NaN and inf in q, k or v propagate as in the meaning: such a call runs the meaning
+(checked with one ``aminmax`` per tensor, about half a copy of it; inside a compiled
+graph with ``torch.cond``).
+
 Precision: every fast path is ``fast`` only (``exact`` runs native). For attention,
 ``fast`` means within ``ATTENTION_TOLERANCE`` of native (fp32 inside, rounded once):
 FlexAttention and the NPU kernel round softmax probabilities to the input dtype before
@@ -300,6 +304,10 @@ estimate_block_mask = EstimateBlockMask()
 @register_op("block_sparse_attention")
 class BlockSparseAttentionOp(CustomOp):
     """Block-sparse attention. Call as ``block_sparse_attention(q, k, v, mask, counts, ...)``."""
+
+    # NaN/inf in q, k or v: the meaning runs (FlexAttention turns a NaN query row into
+    # zeros and ignores an inf key; the meaning gives NaN as dense SDPA does).
+    meaning_for_non_finite = (0, 1, 2)
 
     def forward(  # type: ignore[override]
         self,
