@@ -1,8 +1,10 @@
 """FP32LayerNorm: every path against forward_native, the weight cache, drop-in behaviour.
 
-The NPU path runs against the test double in tests/doubles/npu_attentions.py (a CPU
-implementation of the documented ``attentions.layernorm`` contract); the Triton path runs
-on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
+The NPU path runs against the test doubles of the legacy ``attentions`` package
+(tests/doubles/npu_attentions.py, a CPU implementation of the documented
+``attentions.layernorm`` contract) and of the current ``sgl_kernel_npu``, which has no
+layer norm (tests/doubles/npu_sgl_kernel.py); the Triton path runs on CPU tensors
+through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ditops import config
 from ditops.custom_op import BackendUnavailableError, reset_state
 from ditops.layers.norm import FP32LayerNorm
 from tests.doubles.npu_attentions import fake_attentions, no_attentions
+from tests.doubles.npu_sgl_kernel import fake_sgl_kernel_npu
 from tests.precision import assert_exact, assert_fast
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -335,6 +338,53 @@ def test_npu_exact_precision_runs_native(on_npu: None) -> None:
     assert calls.calls == []
 
 
+def npu_norm_choice() -> str:
+    """What ``ditops info`` says the NPU path of fp32_layer_norm takes."""
+    (candidate,) = ditops.explain("fp32_layer_norm", ["npu"])[0].candidates
+    return candidate.accepts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", AFFINE)
+def test_npu_without_a_layernorm_kernel_runs_f_layer_norm_through_torch_npu(
+    on_npu: None, affine: str, dtype: torch.dtype, ditops_warnings
+) -> None:
+    # The current sgl_kernel_npu has no layer norm: F.layer_norm of the NPU tensor with fp32
+    # weight and bias (ATen's mixed-dtype kernel stands in for torch_npu's here).
+    m = make(1000, affine, dtype)
+    x = torch.randn(2, 5, 1000, dtype=dtype)
+    with fake_sgl_kernel_npu() as calls, torch.no_grad():
+        assert m.explain_call(x).chosen == "forward_npu"
+        out = m(x)
+        choice = npu_norm_choice()
+    assert_fast(out, native(m, x), atol=LN_ATOL)
+    assert calls.calls == [] and not ditops_warnings()
+    assert "torch_npu: F.layer_norm with fp32 weight and bias" in choice
+    assert "sgl_kernel_npu: ships none; attentions: not installed" in choice
+
+
+def test_npu_prefers_the_legacy_layernorm_kernel_to_torch_npu(on_npu: None) -> None:
+    m = make(64, "affine", torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with fake_sgl_kernel_npu(), fake_attentions() as calls, torch.no_grad():
+        out = m(x)
+        choice = npu_norm_choice()
+    assert_fast(out, native(m, x), atol=LN_ATOL)
+    assert len(calls.of("layernorm")) == 1
+    assert "needs attentions: torch.ops.attentions.layernorm, impl_mode 0" in choice
+
+
+def test_npu_layer_norm_of_more_than_8_dims_runs_native(on_npu: None) -> None:
+    m = make(4, "affine", torch.bfloat16)
+    x = torch.randn(1, 1, 1, 1, 1, 1, 1, 2, 4, dtype=torch.bfloat16)
+    with fake_attentions() as calls, torch.no_grad():
+        decision = m.explain_call(x)
+        assert_exact(m(x), native(m, x))
+    assert decision.chosen == "forward_native"
+    assert "9-D input: the NPU layer norm takes at most 8 dims" in decision.candidates[0].reasons
+    assert calls.calls == []
+
+
 @pytest.mark.parametrize("case", ["not_installed", "op_missing", "raises"])
 def test_npu_fallbacks_warn_once(
     on_npu: None, case: str, caplog: pytest.LogCaptureFixture, ditops_warnings
@@ -342,8 +392,9 @@ def test_npu_fallbacks_warn_once(
     m = make(64, "affine", torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     expected = {
-        "not_installed": "'attentions' package is not installed",
-        "op_missing": "registers no torch.ops.attentions.layernorm",
+        "not_installed": "the legacy 'attentions' package is not installed",
+        "op_missing": "'attentions' package is installed but registers no "
+        "torch.ops.attentions.layernorm",
         "raises": "fake attentions.layernorm failed at run time",
     }[case]
     setups = {
@@ -359,7 +410,10 @@ def test_npu_fallbacks_warn_once(
         reasons = ditops.explain("fp32_layer_norm", ["npu"])[0].candidates[0].reasons
     warnings = ditops_warnings()
     assert len(warnings) == 1 and expected in warnings[0], warnings
-    assert "sgl-kernel-npu" in warnings[0] or case == "raises"
+    if case != "raises":  # no layer norm anywhere: every way to get one is named
+        assert "sgl_kernel_npu has no layernorm kernel" in warnings[0]
+        assert "torch_npu is not installed" in warnings[0]
+        assert "install torch_npu for your CANN version" in warnings[0]
     assert any(expected in r for r in reasons)
 
 

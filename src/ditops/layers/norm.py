@@ -9,24 +9,27 @@ the same device; ``fast`` is at most 1 ulp of the output dtype away from it, on 
 most 1e-3 of the elements.
 
 Paths: ``cpu`` (exact and fast), ``cuda``/``hip``/``xpu`` through a Triton kernel
-(fast; exact runs native), ``npu`` through ``torch.ops.attentions.layernorm``
-(impl_mode 0, fp32 weight and bias; fast).
+(fast; exact runs native), ``npu`` (fast) through the legacy ``attentions.layernorm``
+(impl_mode 0, fp32 weight and bias) where it is installed, else ``F.layer_norm`` of the
+NPU tensor with fp32 weight and bias, run by torch_npu (see
+:class:`ditops.backends.npu.NpuLayerNorm`).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.backends.npu import attentions_op
+from ditops.backends.npu import NPU_LAYER_NORM
 from ditops.backends.triton import TRITON
 from ditops.custom_op import CustomOp, fast_path, register_op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-NPU_LAYERNORM = attentions_op("layernorm")
-# impl_mode 0 of attentions.layernorm: high precision.
-_NPU_HIGH_PRECISION = 0
+# aclnnLayerNorm, behind both NPU layer norms, takes 1 to 8 dims.
+_NPU_MAX_DIMS = 8
 
 
 def fp32_params(
@@ -133,10 +136,13 @@ class FP32LayerNorm(nn.LayerNorm, CustomOp):
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
 
-    @fast_path(backend=NPU_LAYERNORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
+        if kind == "npu" and args[0].dim() > _NPU_MAX_DIMS:
+            dims = args[0].dim()
+            return [f"{dims}-D input: the NPU layer norm takes at most {_NPU_MAX_DIMS} dims"]
+        return []
+
+    @fast_path(backend=NPU_LAYER_NORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
     def forward_npu(self, x: torch.Tensor) -> torch.Tensor:
         w, b = self._params32()
-        out, _mean, _rstd = NPU_LAYERNORM.op()(
-            x, list(self.normalized_shape), w, b, self.eps, _NPU_HIGH_PRECISION
-        )
-        return out.to(x.dtype)
+        return NPU_LAYER_NORM.layer_norm(x, self.normalized_shape, w, b, self.eps).to(x.dtype)
