@@ -5,7 +5,9 @@ Two ops, each a registered CustomOp with a functional entry point of the same na
 - ``estimate_block_mask(q, k, ...) -> (mask, counts)``: the XAttention-style estimate
   of :mod:`ditops.attention.estimate`. Paths: native (plain torch, every device);
   ``npu`` through ``torch.ops.attentions.sparse_block_estimate`` followed by the same
-  first-frame forcing and count recomputation.
+  first-frame forcing and count recomputation; ``cuda``/``hip``/``xpu`` through a Triton
+  kernel for the block scores (:mod:`ditops.kernels.triton.estimate`) followed by the
+  native selection (:func:`ditops.attention.estimate.mask_from_scores`).
 - ``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the union of the
   selected key blocks (:mod:`ditops.attention.reference` is the meaning). Paths:
   native (fp32, memory-bounded); ``cpu`` and ``cuda`` through compiled FlexAttention;
@@ -16,7 +18,8 @@ Precision: every fast path is ``fast`` only (``exact`` runs native). For attenti
 ``fast`` means within ``ATTENTION_TOLERANCE`` of native (fp32 inside, rounded once):
 FlexAttention and the NPU kernel round softmax probabilities to the input dtype before
 the second matmul, as every flash-attention kernel does. For the estimate, ``fast``
-means the NPU's fp16 block scores may break near-ties differently.
+means the NPU's fp16 block scores, or the Triton kernel's (within a few ulps of the
+input dtype of native's), may break near-ties differently.
 
 :class:`BlockSparseAttention` puts both behind a schedule
 (:class:`ditops.attention.schedule.BlockSparseConfig`): dense SDPA for the first
@@ -38,7 +41,11 @@ from ditops.attention.block_mask import (
     to_flex_block_mask,
     validate_block_mask,
 )
-from ditops.attention.estimate import estimate_block_mask_reference, force_dense_blocks
+from ditops.attention.estimate import (
+    estimate_block_mask_reference,
+    force_dense_blocks,
+    mask_from_scores,
+)
 from ditops.attention.layout import LAYOUTS, to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
@@ -50,6 +57,9 @@ _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
 NPU_ESTIMATE = attentions_op("sparse_block_estimate")
 NPU_ATTENTION = attentions_op("ada_block_sparse_attention", "block_sparse_attention")
+#: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
+#: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
+TRITON_ESTIMATE_MAX_CELLS = 128
 # ada_block_sparse_attention's inner_precise: 0 = high precision (bf16 always is).
 _NPU_HIGH_PRECISION = 0
 
@@ -218,7 +228,44 @@ class EstimateBlockMask(CustomOp):
                 f"attentions.sparse_block_estimate assumes self-attention; q has {q_len} "
                 f"tokens, k {kv_len}"
             ]
+        cells = kwargs.get("block_size", 128) // kwargs.get("stride", 8)
+        if kind in ("cuda", "hip", "xpu") and cells > TRITON_ESTIMATE_MAX_CELLS:
+            return [
+                f"block_size / stride = {cells} strided rows per block; the Triton estimate "
+                f"takes at most {TRITON_ESTIMATE_MAX_CELLS}"
+            ]
         return []
+
+    @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_cuda(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        block_size: int,
+        stride: int,
+        scale: float | None,
+        causal: bool,
+        **selection: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scores from the Triton kernel, then the native selection."""
+        from ditops.kernels.triton.estimate import block_scores
+
+        qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
+        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
+        scores = block_scores(
+            qb,
+            kb,
+            block_size=block_size,
+            stride=stride,
+            score_scale=softmax_scale / stride,
+            causal=causal,
+        )
+        return mask_from_scores(scores, causal=causal, **selection)
+
+    forward_hip = forward_cuda
+    forward_xpu = forward_cuda
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
     def forward_npu(
