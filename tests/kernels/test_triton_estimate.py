@@ -1,25 +1,12 @@
 """The Triton estimate (block scores + the native selection), run through Triton's interpreter.
 
-Block scores are held to the native ``block_scores`` within ``|got - want| <= rtol * want
-+ atol``, ``u`` the unit roundoff of the input dtype (2**-8 bf16, 2**-11 fp16):
-
-* ``passes=2`` repeats every rounding of native (q * scale, the score matmul, each
-  probability, each row's block sum); only fp32 summation orders differ, which can move
-  a rounded per-row sum by one ulp: ``rtol = 2u``.
-* ``passes=1`` rounds the unnormalised probabilities instead of the normalised ones:
-  each probability, hence each per-row sum, moves by at most ``u`` relative before the
-  final rounding, and both sides round once more: ``rtol = 4u``.
-* fp32 inputs: summation orders and ``exp`` implementations only: ``rtol = 1e-5``.
-* ``atol = 1e-6`` for near-zero scores (fp16 subnormal probabilities).
-
-Masks: the selection is the same code on both sides, so a mask may differ from native's
-only where block scores within that tolerance select differently: a *near-tie*. A
-differing block is a near-tie when, in native's scores, it lies within twice the
-tolerance of the value on the other side of the row's cut (the smallest kept or the
-largest dropped scored block), or, under a threshold, when it is next to the cut in
-sorted order and the sorted cumulative sum passes ``threshold * total`` within twice
-the tolerance of the total. :func:`test_the_tie_criterion_rejects_real_differences`
-checks that the criterion fails a difference that is not a near-tie.
+Tolerances and the near-tie criterion are in tests/attention/estimate_ties.py (shared
+with benchmarks/gpu/estimate.py): block scores within ``rtol * native + 1e-6``, ``u``
+the unit roundoff of the input dtype, ``rtol`` = ``2u`` for ``passes=2`` (native's
+roundings repeated; fp32 summation orders can move a rounded per-row sum by one ulp),
+``4u`` for ``passes=1`` (probabilities rounded before normalisation), ``1e-5`` for fp32;
+masks equal to native's except at near-ties. The criterion is checked to fail real
+differences (:func:`test_the_tie_criterion_rejects_real_differences`).
 
 Shapes are small: the interpreter is slow (~0.1-0.5 s a call here).
 """
@@ -33,21 +20,13 @@ import ditops
 from ditops import config
 from ditops.attention.block_mask import causal_candidates, row_counts
 from ditops.attention.estimate import block_scores as native_block_scores
-from ditops.attention.estimate import select_blocks
 from ditops.custom_op import reset_state
 from ditops.kernels.triton import estimate as tes
 from ditops.layers.attention import estimate_block_mask
+from tests.attention.estimate_ties import ATOL, near_tie_violations, rtol, scored_blocks
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
-UNIT_ROUNDOFF = {BF16: 2.0**-8, FP16: 2.0**-11}
-ATOL = 1e-6
 SMALL = {"block_size": 32, "stride": 4}
-
-
-def rtol(dtype: torch.dtype, passes: int) -> float:
-    if dtype == FP32:
-        return 1e-5
-    return (2 if passes == 2 else 4) * UNIT_ROUNDOFF[dtype]
 
 
 def make_qk(heads, kv_heads, q_len, kv_len=None, dim=24, dtype=BF16, seed=0, spread=1.0):
@@ -179,77 +158,6 @@ def test_nan_spreads_as_in_native(passes):
 
 
 # --- masks through the op ---------------------------------------------------------------
-
-
-def scored_blocks(q_blocks, kv_blocks, *, causal, keep_sink, keep_recent):
-    """Bool [Qb, KVb]: candidates minus the always-kept sink and recent blocks."""
-    if causal:
-        cand = causal_candidates(q_blocks, kv_blocks)
-    else:
-        cand = torch.ones(q_blocks, kv_blocks, dtype=torch.bool)
-    last = cand.sum(-1, keepdim=True) - 1
-    col = torch.arange(kv_blocks)[None, :]
-    forced = (col == last) if keep_recent else torch.zeros_like(cand)
-    if keep_sink:
-        forced = forced | ((col == 0) & cand)
-    return cand & ~forced
-
-
-def near_tie(v, j, kept, scored, tol, threshold) -> bool:
-    """Whether flipping block ``j`` of a row with native scores ``v`` is a near-tie.
-
-    ``kept``/``scored``: native's kept blocks and the scored ones (bool rows).
-    """
-    on, off = v[scored & kept], v[scored & ~kept]
-    tau = 2 * (tol[0] * float(v[j]) + tol[1])
-    if kept[j]:
-        # A dropped block may overtake it, or it sits in a group tied at the cut.
-        if off.numel() and float(v[j] - off.max()) <= tau:
-            return True
-        if float(v[j] - on.min()) <= tau and int(((on - v[j]).abs() <= tau).sum()) >= 2:
-            return True
-    elif on.numel() and float(on.min() - v[j]) <= tau:
-        return True  # it may overtake the weakest kept block
-    if threshold >= 1:
-        return False
-    # Threshold: the cut moves by one block when the sorted cumulative sum passes
-    # threshold * total within the tolerance of the total.
-    order = v[scored].sort(descending=True).values
-    n_kept = int(on.numel())
-    if float(v[j]) not in order[max(0, n_kept - 1) : n_kept + 1].tolist():
-        return False
-    total = float(order.sum())
-    sums = order.cumsum(0)[max(0, n_kept - 2) : n_kept + 1]
-    slack = 2 * (tol[0] * total + tol[1] * order.numel())
-    return bool(((sums - threshold * total).abs() <= slack).any())
-
-
-def near_tie_violations(mask, want_mask, scores, tol, *, threshold, keep_ratio, causal,
-                        keep_sink, keep_recent, **_):  # fmt: skip
-    """Blocks where ``mask`` differs from ``want_mask`` that are not near-ties (see top).
-
-    ``scores`` are native's; what native's selection keeps is recomputed from them, as
-    the first-frame forcing hides it in ``want_mask``.
-    """
-    q_blocks, kv_blocks = scores.shape[-2:]
-    scored = scored_blocks(
-        q_blocks, kv_blocks, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent
-    )
-    selected = select_blocks(
-        scores, threshold=threshold, keep_ratio=keep_ratio, keep_sink=keep_sink,
-        keep_recent=keep_recent, causal=causal,
-    )  # fmt: skip
-    bad = []
-    for b, h, r in (mask != want_mask).any(-1).nonzero().tolist():
-        v, kept = scores[b, h, r], selected[b, h, r]
-        # Causal rows of at most two candidates keep them all: nothing is scored.
-        sc = scored[r] if not causal or r + 1 > 2 else torch.zeros_like(scored[r])
-        for j in (mask[b, h, r] != want_mask[b, h, r]).nonzero().flatten().tolist():
-            if not sc[j]:
-                bad.append((b, h, r, j, "not a scored block"))
-            elif not near_tie(v, j, kept, sc, tol, threshold):
-                bad.append((b, h, r, j, float(v[j])))
-    return bad
 
 
 def op_masks(q, k, **kw):

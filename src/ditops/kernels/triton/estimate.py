@@ -42,19 +42,23 @@ Numerics (against ``ditops.attention.estimate.block_scores``)
     NaN in a key the scores of every row that can see it: as the reference.
 
 Cost model (per batch and query head; S tokens, head dim D, stride st, block b)
-    GEMM: ``(S/st)^2`` scores of ``st*D`` products = ``2*S^2*D/st`` flop per pass;
-    dense attention is ``4*S^2*D``. Share per pass ``1/(2*st)``: 6.25% at stride 8, 3.1%
-    at stride 16 (``passes=2`` doubles it). ``exp``: ``(S/st)^2`` per pass against
-    ``S^2`` in attention (1.6% / 0.4%). Memory: q and k once from HBM; each program
-    re-reads its q tile per key tile, from L2: ``2*BM*BN/(BM+BN)`` flop per byte, 64 at
-    128x128 tiles, 85 at 128x256. The workspace (``passes=1``) adds ``4*S^2/(st*b)``
-    bytes written then read per head (stride 8, block 128, 32k tokens: 4 MiB), small
-    against the GEMM. Expected on an H100/H200 (989 bf16 TFLOP/s peak; SDPA's flash
-    kernel reaches roughly 350-450 TFLOP/s at D=128, a Triton GEMM with this tile and
-    K = st*D >= 1024 roughly 450-600): ``passes=1`` about 2.5-3.5% of dense attention at
-    stride 16 and 4-6% at stride 8, ``passes=2`` twice that; plus the selection (a sort
-    over ``[B*N*Qb, KVb]`` and ~20 small kernels, ~0.1-0.3 ms), which dominates at 8k
-    tokens. benchmarks/gpu/estimate.py measures it.
+    GEMM: ``(S/st)^2`` scores of ``st*D`` products: ``S^2*D/st`` multiply-adds, ``2*S^2*D/st``
+    flop per pass; dense attention is ``4*S^2*D`` flop (two GEMMs). Share per pass
+    ``1/(2*st)``: 6.25% at stride 8, 3.1% at stride 16 (``passes=2`` doubles it).
+    ``exp``: ``(S/st)^2`` per pass against ``S^2`` in attention (1.6% / 0.4%). Memory: q
+    and k once from HBM; each program re-reads its q tile per key tile, from L2:
+    ``2*BM*BN/(BM+BN)`` flop per byte, 64 at 128x128 tiles, 85 at 128x256. The workspace
+    (``passes=1``) adds ``4*S^2/(st*b)`` bytes written then read per head (stride 8,
+    block 128, 32k tokens: 4 MiB), small against the GEMM. The softmax epilogue of a
+    128x128 tile (~10 operations per score, one ``exp``) costs roughly a third of its
+    GEMM at stride 8 (K = 1024) and a sixth at stride 16 (K = 2048) unless overlapped.
+    Expected on an H200: dense SDPA measured 0.63 ms at 8192 tokens and 11.6 ms at 32760
+    (12 heads, D 128, bf16; about 560-660 TFLOP/s, benchmarks/gpu/results/h200-check.json);
+    with this GEMM at 400-550 TFLOP/s, ``passes=1`` costs about 3.5-5% of dense attention
+    at stride 16 and 7-9.5% at stride 8, ``passes=2`` twice that; the selection (a sort
+    over ``[B*N*Qb, KVb]`` and ~20 small kernels, ~0.1-0.3 ms) comes on top and dominates
+    at 8k tokens. So the 5%-at-32k target is within reach at stride 16 with ``passes=1``
+    only. benchmarks/gpu/estimate.py measures all of it.
 
 Tiles (:func:`default_tiles`)
     16-bit inputs: 128x128 with ``BLOCK_D = 64``, 8 warps, 3 stages (an accumulator of 64
