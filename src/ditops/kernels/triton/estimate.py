@@ -89,7 +89,7 @@ from ditops.kernels.triton.layer_norm import round_rne
 
 #: Most bytes of ``passes=1`` workspace one launch uses; more heads launch in groups.
 WORKSPACE_BYTES = 128 << 20
-#: SMs assumed when the device cannot say (the interpreter): an H100/H200.
+#: SMs assumed where torch cannot say (xpu): an H100/H200's count.
 DEFAULT_SMS = 132
 
 
