@@ -6,7 +6,9 @@ Two ops, each a registered CustomOp with a functional entry point of the same na
   of :mod:`ditops.attention.estimate`. Paths: native (plain torch, every device);
   ``npu`` through sgl-kernel-npu's ``sparse_block_estimate`` (``torch.ops.npu`` from
   ``sgl_kernel_npu``, else the legacy ``torch.ops.attentions``) followed by the same
-  first-frame forcing and count recomputation.
+  first-frame forcing and count recomputation; ``cuda``/``hip``/``xpu`` through a Triton
+  kernel for the block scores (:mod:`ditops.kernels.triton.estimate`) followed by the
+  native selection (:func:`ditops.attention.estimate.mask_from_scores`).
 - ``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the union of the
   selected key blocks (:mod:`ditops.attention.reference` is the meaning). Paths:
   native (fp32, memory-bounded); ``cpu`` and ``cuda`` through compiled FlexAttention;
@@ -31,8 +33,9 @@ the second matmul, as every flash-attention kernel does. One exception: fp16 on
 its high-performance one (``inner_precise=1``), holding scores and softmax in fp16: a
 logit ``l`` is then off by up to ``|l| * 2**-11``, and the bound's ``atol`` grows by
 ``NPU_FP16_LOGIT_ATOL * max|logit|`` (bf16, and fp16 on the legacy package, take the
-high-precision path). For the estimate, ``fast`` means the NPU's fp16 block scores may
-break near-ties differently.
+high-precision path). For the estimate, ``fast`` means the NPU's fp16 block scores, or
+the Triton kernel's (within a few ulps of the input dtype of native's), may break
+near-ties differently.
 
 :class:`BlockSparseAttention` puts both behind a schedule
 (:class:`ditops.attention.schedule.BlockSparseConfig`): dense SDPA for the first
@@ -54,7 +57,11 @@ from ditops.attention.block_mask import (
     to_flex_block_mask,
     validate_block_mask,
 )
-from ditops.attention.estimate import estimate_block_mask_reference, force_dense_blocks
+from ditops.attention.estimate import (
+    estimate_block_mask_reference,
+    force_dense_blocks,
+    mask_from_scores,
+)
 from ditops.attention.layout import LAYOUTS, to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
@@ -72,6 +79,9 @@ NPU_ATTENTION = npu.npu_kernel(
     current=("ada_block_sparse_attention",),
     legacy=("ada_block_sparse_attention", "block_sparse_attention"),
 )
+#: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
+#: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
+TRITON_ESTIMATE_MAX_CELLS = 128
 
 #: ``fast`` tolerance of block_sparse_attention against native, per output dtype:
 #: ``|out - native| <= atol * max|v| + rtol * |native|`` (about 1 ulp of max|v| in bf16;
@@ -238,6 +248,12 @@ class EstimateBlockMask(CustomOp):
         q_len, kv_len = to_bnsd(q, layout).shape[2], to_bnsd(k, layout).shape[2]
         if q_len == 0 or kv_len == 0:
             return ["empty sequence: nothing to compute"]
+        cells = kwargs.get("block_size", 128) // kwargs.get("stride", 8)
+        if kind in ("cuda", "hip", "xpu") and cells > TRITON_ESTIMATE_MAX_CELLS:
+            return [
+                f"block_size / stride = {cells} strided rows per block; the Triton estimate "
+                f"takes at most {TRITON_ESTIMATE_MAX_CELLS}"
+            ]
         if kind != "npu":
             return []
         reasons = npu.input_reasons(layout, q, k)
@@ -250,6 +266,37 @@ class EstimateBlockMask(CustomOp):
                 f"tokens, k {kv_len}"
             )
         return reasons
+
+    @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_cuda(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        block_size: int,
+        stride: int,
+        scale: float | None,
+        causal: bool,
+        **selection: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scores from the Triton kernel, then the native selection."""
+        from ditops.kernels.triton.estimate import block_scores
+
+        qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
+        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
+        scores = block_scores(
+            qb,
+            kb,
+            block_size=block_size,
+            stride=stride,
+            score_scale=softmax_scale / stride,
+            causal=causal,
+        )
+        return mask_from_scores(scores, causal=causal, **selection)
+
+    forward_hip = forward_cuda
+    forward_xpu = forward_cuda
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
     def forward_npu(
