@@ -5,6 +5,7 @@ Public names only; see the README for usage and the precision contract.
 
 from __future__ import annotations
 
+from ditops._version import __version__ as __version__
 from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
@@ -23,8 +24,6 @@ from ditops.layers.modulation import (
 )
 from ditops.layers.norm import FP32LayerNorm
 from ditops.platform import device_kind, force_device_kind, visible_devices
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
