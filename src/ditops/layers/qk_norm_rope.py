@@ -75,9 +75,12 @@ a NaN in a pair makes both members NaN).
 
 Paths: ``cpu`` (exact and fast, :mod:`ditops.kernels.cpu.qk_norm_rope`),
 ``cuda``/``hip``/``xpu`` through Triton (:mod:`ditops.kernels.triton.qk_norm_rope`, fast),
-otherwise native. No NPU path yet: ``torch_npu.npu_rms_norm`` (the ``torch`` convention,
-fp32 inside) and ``npu_rotary_mul`` (full-width tables, ``"half"``/``"interleave"``
-modes) take these arguments as they are.
+otherwise native. No NPU path yet (the NPU backend is being rewritten); the arguments
+are the ones the Ascend ops take: ``torch_npu.npu_rms_norm(x, weight, epsilon)`` (a fast
+candidate for the ``torch`` convention, the weight in the activations' dtype) and
+``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave"|"half")`` on
+``[B, L, H, D]`` with full-width ``[1, L, 1, D]`` tables (per-pair tables widened by
+``repeat_interleave`` / ``cat``, as ``forward_native`` does).
 """
 
 from __future__ import annotations
