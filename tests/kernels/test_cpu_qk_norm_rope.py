@@ -1,7 +1,7 @@
 """The CPU prologue kernels, walked in blocks of a few rows, against the ops' meanings.
 
-Blocks are made 3 tokens long (``small_blocks``), so every test crosses blocks, batch
-boundaries and a ragged last block; inputs come strided (a slice of a fused q|k|v
+Blocks are made 3 tokens long (``small_blocks``; q and k share a block), so every
+test crosses blocks, batch boundaries and a ragged last block; inputs come strided (a slice of a fused q|k|v
 projection), tables per sample or shared, full width with or without equal pair
 members, fp32 or low precision. Exact mode must give the meaning's bits in every
 combination; fast mode is held to the fused op's tolerance.
@@ -27,7 +27,8 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * H * D * 3)
+    # 3 tokens of q and k per block (6 of one tensor alone): L = 10 ends raggedly
+    monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * H * D * 2 * 3)
 
 
 def _strided(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,7 +3,7 @@
     python benchmarks/cpu/probes/qk_block_size.py [threads]
 
 Times the fused prologue (exact and fast) at Wan's and FLUX's shapes, bf16, for several
-block sizes, the sizes taking turns (A, B, C, A, B, C, ...) so that machine noise
+block sizes (bytes of the fp32 block holding q and k rows), taking turns (A, B, C, A, B, C, ...) so that machine noise
 spreads over all of them; prints medians relative to a clone of the same bytes.
 """
 
@@ -19,7 +19,7 @@ from ditops.layers.qk_norm_rope import qk_norm_rope
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 torch.set_num_threads(threads)
-SIZES_KIB = (256, 512, 1024, 2048, 4096)
+SIZES_KIB = (512, 1024, 2048, 4096, 8192)
 REPS = 7
 for name, L, H, across in (("wan", 8192, 12, True), ("flux", 4608, 24, False)):
     D = 128

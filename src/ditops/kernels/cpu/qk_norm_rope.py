@@ -9,7 +9,9 @@ Memory model (bf16 q and k ``[1, 8192, 12, 128]``, Wan 1.3B). Eager runs about t
 full-size passes over each of q and k, most of them in fp32 with a fresh allocation each
 (cast, pow, mean, rsqrt, mul, weight, cast, unbind, products, sum, cast). Here the rows
 are walked in blocks whose fp32 scratch stays in cache, so memory sees one read of q
-and k and one write of each output; q and k share each block's rotation table.
+and k and one write of each output. q and k travel together: one ``[2, rows, H, D]``
+fp32 block holds the rows of both, so every operation covers both (half the ATen calls
+and parallel regions of two walks) and they share the block's tables.
 
 * ``exact`` runs eager's operations on each block, in eager's dtypes, rounding where
   eager rounds: every one of them is elementwise or reduces each row on its own (the
@@ -29,9 +31,10 @@ and k and one write of each output; q and k share each block's rotation table.
   alone is exact in both modes; fp32 outputs take the exact path (fp32 shows every
   reordering).
 
-Scratch is two fp32 blocks allocated once per call and reused by every block (a fresh
-allocation per block of this size hits glibc's mmap threshold: see the field notes);
-the output block itself serves as the scratch of a rounding to the output dtype.
+Scratch (the fp32 block, a second one for exact mode and real rotations, one of the
+output dtype for roundings) is allocated once per call and reused by every block (a
+fresh allocation per block of this size hits glibc's mmap threshold: see the field
+notes).
 
 Each kernel is a ``torch.library`` custom op (:func:`~ditops.kernels.opaque.opaque_op`),
 so ``torch.compile`` calls it as one opaque op instead of unrolling the block loop.
@@ -48,9 +51,13 @@ from torch import Tensor
 from ditops.kernels.opaque import opaque_op
 from ditops.kernels.qk_norm_rope_shapes import LOW_PRECISION, PairTables, normed_dtype, pair_tables
 
-#: fp32 bytes per block of rows (one scratch block). Measured with
-#: benchmarks/cpu/probes/qk_block_size.py: see the constant's history in git.
-_BLOCK_BYTES = 1024 * 1024
+#: fp32 bytes of the block (q and k rows together). Measured with
+#: benchmarks/cpu/probes/qk_block_size.py on the 2-core machine (busy, load 9), q and
+#: k walked separately then: one thread, fast 0.32/0.47/0.50/0.51/0.43 of a clone's
+#: bandwidth at 256 KiB/512 KiB/1/2/4 MiB per tensor (exact best at 1-2 MiB); two
+#: threads, larger blocks win by far (every ATen op on a block is one parallel region,
+#: and on a busy machine each region waits for a descheduled thread).
+_BLOCK_BYTES = 2 * 1024 * 1024
 _F32 = torch.float32
 
 
@@ -65,37 +72,27 @@ def _blocks(B: int, L: int, step: int) -> Iterator[tuple[int, int, int]]:
 
 
 class _Norm(NamedTuple):
-    """One tensor's RMSNorm, ready for the blocks."""
+    """The RMSNorm of the tensors of one call (q and k: same shapes, same weight dtype)."""
 
-    w32: Tensor | None  # fp32 weight shaped [H, D] (across heads) or [D]; None: no weight
-    round_before_weight: torch.dtype | None  # diffusers with a bf16/fp16 weight: its dtype
+    w32: Tensor | None  # fp32 weights [T, 1, H, D] (across heads) or [T, 1, 1, D]; None: none
+    round_before_weight: bool  # diffusers with a bf16/fp16 weight: round to its dtype first
     eps: float
     across: bool
-    dtype: torch.dtype  # the normalised tensor's dtype
+    dtype: torch.dtype  # the normalised tensors' dtype
 
 
-def _norm_of(weight: Tensor | None, x: Tensor, eps: float, across: bool, convention: str) -> _Norm:
+def _norm_of(
+    weights: list[Tensor | None], x: Tensor, eps: float, across: bool, convention: str
+) -> _Norm:
     H, D = x.shape[2], x.shape[3]
+    w0 = weights[0]
     w32 = None
-    if weight is not None:
-        w32 = weight.to(_F32).reshape(H, D) if across else weight.to(_F32)
-    lp = weight is not None and convention == "diffusers" and weight.dtype in LOW_PRECISION
-    out = normed_dtype(x.dtype, None if weight is None else weight.dtype, convention)
-    return _Norm(w32, weight.dtype if lp else None, eps, across, out)
-
-
-class _Scratch:
-    """Two fp32 blocks reused by every block of a call."""
-
-    def __init__(self, rows: int, H: int, D: int) -> None:
-        self.rows = rows
-        self.a = torch.empty((rows, H, D), dtype=_F32)
-        self.b = torch.empty((rows, H, D), dtype=_F32)
-
-    def take(self, n: int) -> tuple[Tensor, Tensor]:
-        if n == self.rows:
-            return self.a, self.b
-        return self.a[:n], self.b[:n]
+    if w0 is not None:
+        shape = (1, H, D) if across else (1, 1, D)
+        w32 = torch.stack([w.to(_F32).reshape(shape) for w in weights if w is not None])
+    lp = w0 is not None and convention == "diffusers" and w0.dtype in LOW_PRECISION
+    out = normed_dtype(x.dtype, None if w0 is None else w0.dtype, convention)
+    return _Norm(w32, lp, eps, across, out)
 
 
 def _round_(a: Tensor, lp: Tensor) -> None:
@@ -105,14 +102,15 @@ def _round_(a: Tensor, lp: Tensor) -> None:
 
 
 def _reduce_view(a: Tensor, across: bool) -> Tensor:
-    n, H, D = a.shape
-    return a.view(n, H * D) if across else a
+    """The norm rows of a ``[T, n, H, D]`` block: ``[T, n, H * D]`` or the block itself."""
+    T, n, H, D = a.shape
+    return a.view(T, n, H * D) if across else a
 
 
 # --- the norm ----------------------------------------------------------------------------
 
 
-def _rms_exact(a: Tensor, sq: Tensor, norm: _Norm, lp: Tensor) -> None:
+def _rms_exact(a: Tensor, sq: Tensor, norm: _Norm, lp: Tensor | None) -> None:
     """``a`` (fp32 input) becomes the normalised value, rounded where eager rounds.
 
     Eager (torch 2.13's ``F.rms_norm`` and diffusers' ``RMSNorm``, whose first steps are
@@ -127,14 +125,15 @@ def _rms_exact(a: Tensor, sq: Tensor, norm: _Norm, lp: Tensor) -> None:
     r.add_(norm.eps).rsqrt_()
     _reduce_view(a, norm.across).mul_(r)
     if norm.w32 is not None:
-        if norm.round_before_weight is not None:
+        if norm.round_before_weight:
+            assert lp is not None
             _round_(a, lp)
         a.mul_(norm.w32)
 
 
 def _rms_scale_fast(a: Tensor, norm: _Norm) -> Tensor:
-    """``rsqrt(mean(a^2) + eps)`` per norm row, from one ``vector_norm`` pass: ``[n, 1]``
-    (across heads) or ``[n, H, 1]``."""
+    """``rsqrt(mean(a^2) + eps)`` per norm row, from one ``vector_norm`` pass: ``[T, n, 1]``
+    (across heads) or ``[T, n, H, 1]``."""
     red = _reduce_view(a, norm.across)
     r = torch.linalg.vector_norm(red, dim=-1, keepdim=True)
     return r.square_().mul_(1.0 / red.shape[-1]).add_(norm.eps).rsqrt_()
@@ -186,7 +185,7 @@ def _merge(first: Tensor, second: Tensor, layout: str) -> Tensor:
 
 
 def _members(t: Tensor, layout: str) -> tuple[Tensor, Tensor]:
-    """The first and second members of every pair of a ``[n, H, D]`` block, as views."""
+    """The first and second members of every pair of a ``[..., D]`` block, as views."""
     if layout == "interleaved":
         return t[..., 0::2], t[..., 1::2]
     h = t.shape[-1] // 2
@@ -219,7 +218,7 @@ def _rotate_low_precision(out: Tensor, t: _BlockTables, layout: str) -> None:
     x2.copy_(second)
 
 
-# --- one block of one tensor --------------------------------------------------------------
+# --- the walk --------------------------------------------------------------------------------
 
 
 class _Plan(NamedTuple):
@@ -228,21 +227,23 @@ class _Plan(NamedTuple):
     norm: _Norm | None
     layout: str
     compute: torch.dtype | None  # the rotation's computation dtype; None: no rotation
-    use_complex: bool
+    form: str  # the rotation: "complex" (fast), "real" (fp32, exact) or "lp" (bf16/fp16)
     exact: bool
     round_normed: bool  # round the normalised value where eager does (all but fused fast)
 
 
 def _block(
-    xb: Tensor, ob: Tensor, a: Tensor, sq: Tensor, plan: _Plan, t: _BlockTables | None
-) -> None:
-    """Normalise and/or rotate one ``[n, H, D]`` block ``xb`` into ``ob``."""
-    a.copy_(xb)
+    a: Tensor, sq: Tensor | None, lp: Tensor | None, plan: _Plan, t: _BlockTables | None
+) -> Tensor:
+    """Normalise and/or rotate the ``[T, n, H, D]`` fp32 block ``a`` (the inputs, widened)
+    in place; returns the block holding the result (``a``, or ``lp`` for a rotation
+    computed in bf16/fp16), which the caller copies out, rounding to the output dtype."""
     norm = plan.norm
     fold: Tensor | None = None  # fast, across heads: the norm scale goes into the table
     if norm is not None:
         if plan.exact:
-            _rms_exact(a, sq, norm, ob)
+            assert sq is not None
+            _rms_exact(a, sq, norm, lp)
         else:
             r = _rms_scale_fast(a, norm)
             if norm.across and not plan.round_normed and t is not None and t.rot is not None:
@@ -250,72 +251,98 @@ def _block(
             else:
                 _reduce_view(a, norm.across).mul_(r)
             if norm.w32 is not None:
-                if plan.round_normed and norm.round_before_weight is not None:
-                    _round_(a, ob)
+                if plan.round_normed and norm.round_before_weight:
+                    assert lp is not None
+                    _round_(a, lp)
                 a.mul_(norm.w32)
         if t is None:
-            ob.copy_(a)  # the standalone norm: its one last rounding
-            return
+            return a  # the standalone norm: the copy out is its last rounding
         if plan.round_normed and norm.dtype != _F32:
-            _round_(a, ob)
+            assert lp is not None
+            _round_(a, lp)
     assert t is not None
-    if plan.compute in LOW_PRECISION:
-        ob.copy_(a)  # exact: ``a`` holds values of that dtype
-        _rotate_low_precision(ob, t, plan.layout)
-        return
-    if t.rot is not None:
-        rot = t.rot if fold is None else t.rot * fold.view(-1, 1, 1)
-        n, H, D = a.shape
-        torch.view_as_complex(a.view(n, H, D // 2, 2)).mul_(rot)
+    if plan.form == "lp":
+        assert lp is not None
+        lp.copy_(a)  # exact: ``a`` holds values of that dtype
+        _rotate_low_precision(lp, t, plan.layout)
+        return lp
+    if plan.form == "complex":
+        assert t.rot is not None
+        T, n, H, D = a.shape
+        rot = t.rot if fold is None else t.rot * fold.view(T, n, 1, 1)
+        torch.view_as_complex(a.view(T, n, H, D // 2, 2)).mul_(rot)
     else:
+        assert sq is not None
         _rotate_real(a, sq, t, plan.layout)
-    ob.copy_(a)
+    return a
 
 
 def _run(
-    xs: list[tuple[Tensor, _Norm | None]],
+    xs: list[Tensor],
+    norm: _Norm | None,
     tabs: PairTables | None,
     layout: str,
     exact: bool,
     round_normed: bool,
 ) -> list[Tensor]:
-    """Walk the row blocks of every ``[B, L, H, D]`` tensor in ``xs`` (same shape), sharing
-    each block's tables, and return the outputs (contiguous)."""
-    B, L, H, D = xs[0][0].shape
-    outs = []
-    for x, norm in xs:
-        dtype = norm.dtype if norm is not None else x.dtype
-        outs.append(torch.empty((B, L, H, D), dtype=dtype, device=x.device))
+    """Walk the row blocks of the ``[B, L, H, D]`` tensors ``xs`` (q and k: same shape and
+    dtype) together: one ``[T, rows, H, D]`` fp32 block holds the rows of all of them,
+    so every operation covers q and k at once and they share the block's tables.
+    Returns the outputs (contiguous)."""
+    T = len(xs)
+    B, L, H, D = xs[0].shape
+    dtype = norm.dtype if norm is not None else xs[0].dtype
+    outs = [torch.empty((B, L, H, D), dtype=dtype, device=x.device) for x in xs]
     if outs[0].numel() == 0:
         return outs
     compute = None
-    use_complex = False
+    form = ""
     if tabs is not None:
-        # The meaning rotates in promote(normalised dtype, table dtype); q and k share it.
-        compute = torch.promote_types(outs[0].dtype, tabs.c1.dtype)
+        # The meaning rotates in promote(normalised dtype, table dtype).
+        compute = torch.promote_types(dtype, tabs.c1.dtype)
         if not round_normed:
             if compute in LOW_PRECISION:
                 # Eager rounds every step of the rotation to bf16/fp16 here, which one
                 # rounding of fp32 arithmetic cannot follow within tolerance: eager's steps.
-                return _run(xs, tabs, layout, True, True)
+                return _run(xs, norm, tabs, layout, True, True)
             compute = _F32
         # Fast mode turns interleaved pairs with one angle each by a complex multiply:
         # ATen's vector loop rounds it as the real arithmetic, but its scalar remainder
         # (row ends, thread-chunk ends) may fuse a multiply-add, so exact mode keeps to
         # real multiplications.
-        use_complex = not exact and layout == "interleaved" and tabs.paired
-    step = _rows_per_block(H * D)
-    scratch = _Scratch(min(step, L), H, D)
-    plans = [_Plan(norm, layout, compute, use_complex, exact, round_normed) for _, norm in xs]
+        if compute in LOW_PRECISION:
+            form = "lp"
+        elif not exact and layout == "interleaved" and tabs.paired:
+            form = "complex"
+        else:
+            form = "real"
+    step = _rows_per_block(T * H * D)
+    rows = min(step, L)
+    a = torch.empty((T, rows, H, D), dtype=_F32)
+    sq = torch.empty_like(a) if exact or form == "real" else None
+    rounds = (
+        norm is not None
+        and round_normed
+        and ((tabs is not None and dtype != _F32) or norm.round_before_weight)
+    )
+    lp = torch.empty((T, rows, H, D), dtype=dtype) if rounds or form == "lp" else None
+    plan = _Plan(norm, layout, compute, form, exact, round_normed)
+
+    def cut(buf: Tensor | None, n: int) -> Tensor | None:
+        return buf if buf is None or n == rows else buf[:, :n]
+
     for b, l0, l1 in _blocks(B, L, step):
-        a, sq = scratch.take(l1 - l0)
+        av = cut(a, l1 - l0)
+        assert av is not None
+        for i, x in enumerate(xs):
+            av[i].copy_(x[b, l0:l1])
         t = None
         if tabs is not None:
             assert compute is not None
-            form = "complex" if use_complex else ("real" if compute == _F32 else "lp")
             t = _block_tables(tabs, b, l0, l1, compute, layout, form)
-        for (x, _), out, plan in zip(xs, outs, plans):
-            _block(x[b, l0:l1], out[b, l0:l1], a, sq, plan, t)
+        res = _block(av, cut(sq, l1 - l0), cut(lp, l1 - l0), plan, t)
+        for i, out in enumerate(outs):
+            out[b, l0:l1].copy_(res[i])
     return outs
 
 
@@ -328,10 +355,10 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, convention: str, exac
     changes only the reduction (see the module docstring)."""
     N = x.shape[-1]
     rows = x.reshape(1, -1, 1, N)
-    norm = _norm_of(weight, rows, eps, False, convention)
+    norm = _norm_of([weight], rows, eps, False, convention)
     # An fp32 output shows every reordering of fp32 arithmetic: fast gives the exact bits.
     exact = exact or norm.dtype == _F32
-    (out,) = _run([(rows, norm)], None, "interleaved", exact, True)
+    (out,) = _run([rows], norm, None, "interleaved", exact, True)
     return out.reshape(x.shape)
 
 
@@ -345,7 +372,7 @@ def _(x, weight, eps, convention, exact):
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     """The rotation of ``x`` [B, L, H, D] by ``[Bt, L, Dt]`` tables; bitwise eager's."""
     tabs = pair_tables(cos, sin, x.shape[-1], layout)
-    (out,) = _run([(x, None)], tabs, layout, True, True)
+    (out,) = _run([x], None, tabs, layout, True, True)
     return out
 
 
@@ -373,10 +400,9 @@ def qk_norm_rope(
     ``exact``: eager's bits (rounded where eager rounds); otherwise rounded once.
     """
     tabs = pair_tables(cos, sin, q.shape[-1], layout)
-    qn = _norm_of(q_weight, q, eps, across_heads, convention)
-    kn = _norm_of(k_weight, k, eps, across_heads, convention)
-    exact = exact or qn.dtype == _F32  # as in rms_norm
-    qo, ko = _run([(q, qn), (k, kn)], tabs, layout, exact, exact)
+    norm = _norm_of([q_weight, k_weight], q, eps, across_heads, convention)
+    exact = exact or norm.dtype == _F32  # as in rms_norm
+    qo, ko = _run([q, k], norm, tabs, layout, exact, exact)
     return qo, ko
 
 
