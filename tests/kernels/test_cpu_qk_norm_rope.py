@@ -1,9 +1,9 @@
 """The CPU prologue kernels, walked in blocks of a few rows, against the ops' meanings.
 
 Blocks are made 3 tokens long (``small_blocks``; q and k share a block), so every
-test crosses blocks, batch boundaries and a ragged last block; inputs come strided (a slice of a fused q|k|v
-projection), tables per sample or shared, full width with or without equal pair
-members, fp32 or low precision. Exact mode must give the meaning's bits in every
+test crosses blocks, batch boundaries and a ragged last block; inputs come strided (a
+slice of a fused q|k|v projection), tables per sample or shared, full width with or
+without equal pair members, fp32 or low precision. Exact mode must give the meaning's bits in every
 combination; fast mode is held to the fused op's tolerance.
 """
 

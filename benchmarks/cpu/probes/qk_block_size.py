@@ -3,8 +3,9 @@
     python benchmarks/cpu/probes/qk_block_size.py [threads]
 
 Times the fused prologue (exact and fast) at Wan's and FLUX's shapes, bf16, for several
-block sizes (bytes of the fp32 block holding q and k rows), taking turns (A, B, C, A, B, C, ...) so that machine noise
-spreads over all of them; prints medians relative to a clone of the same bytes.
+block sizes (bytes of the fp32 block holding q and k rows), the sizes taking turns (A, B,
+C, A, B, C, ...) so that machine noise spreads over all of them; prints medians relative
+to a clone of the same bytes.
 """
 
 import statistics

@@ -14,12 +14,12 @@ Three ops, each with the literal eager code as its meaning (``forward_native``):
       weight's. ``eps=None`` is fp32's machine epsilon. (Older torch releases rounded
       before the weight; the fast paths check which arithmetic the running torch has,
       :func:`torch_rms_norm_is_known`, and run the meaning when it is not this one.)
-    * ``"diffusers"``: ``diffusers.models.normalization.RMSNorm`` (HunyuanVideo, LTX, Mochi's
-      cousins; without its bias): the same fp32 ``x32 * r``, then without a weight rounded
-      to x's dtype; with a bf16/fp16 weight rounded to the **weight's** dtype and
-      multiplied by the weight in that dtype (a second rounding; the output has the
-      weight's dtype); with an fp32 weight multiplied in fp32 and **not** rounded back
-      (the output is fp32).
+    * ``"diffusers"``: ``diffusers.models.normalization.RMSNorm``, without its bias (what
+      diffusers' ``Attention(qk_norm="rms_norm")`` holds: HunyuanVideo, Lumina2): the
+      same fp32 ``x32 * r``, then without a weight rounded to x's dtype; with a bf16/fp16
+      weight rounded to the **weight's** dtype and multiplied by the weight in that
+      dtype (a second rounding; the output has the weight's dtype); with an fp32 weight
+      multiplied in fp32 and **not** rounded back (the output is fp32).
 
 ``rotary_embedding(x, cos, sin, layout="interleaved")``
     ``out = x * cos + rotate(x) * sin``, every product and the sum computed in
@@ -70,8 +70,9 @@ Precision (the README's contract; ``tests/precision.py`` holds the paths to it):
   that make eager rotate in bf16/fp16 (a Wan cast with ``.to(bf16)``) the CPU path runs
   eager's steps (exact) and Triton declines (native).
 
-NaN and inf propagate as in the meaning (a NaN or inf in a norm row makes that row NaN;
-a NaN in a pair makes both members NaN).
+NaN and inf propagate as in the meaning: a NaN in a norm row makes the row NaN; an inf
+makes its own element NaN (``inf * 0``) and the rest of the row 0; the rotation carries a
+NaN to both members of its pair.
 
 Paths: ``cpu`` (exact and fast, :mod:`ditops.kernels.cpu.qk_norm_rope`),
 ``cuda``/``hip``/``xpu`` through Triton (:mod:`ditops.kernels.triton.qk_norm_rope`, fast),

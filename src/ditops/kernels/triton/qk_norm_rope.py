@@ -7,8 +7,9 @@ the arithmetic each op means is stated there.
 tensor (one launch for q, one for k). A program holds ``BLOCK_R`` norm rows as a
 ``[BLOCK_R, BLOCK_P]`` tile of rotated pairs: a norm row is one head (per-head norm,
 ``P = D/2`` pairs) or one token (across heads, ``P = H * D/2``); the two members of every
-pair are loaded as two tiles (``x[2i]``/``x[2i+1]`` interleaved, ``x[i]``/``x[i + D/2]``
-halves), so the rotation needs no shuffle. The sum of squares, the normalisation, the
+pair come as two tiles: interleaved pairs are loaded as one contiguous tile and split in
+registers (``tl.split``/``tl.join``: coalesced loads and stores), halves as two tiles
+``x[i]``/``x[i + D/2]``. The sum of squares, the normalisation, the
 weight and the rotation are done in fp32 registers and the result is rounded once.
 Without the norm (the rotary op) the launch disables FMA contraction
 (``enable_fp_fusion=False``), so each product and the sum round as eager's do and the
@@ -66,30 +67,40 @@ def _norm_rope_kernel(
     rows = tl.where(rmask, rows, 0).to(tl.int64)
     tok = rows // HR
     b, pos = split_rows(tok, L)
+    h0 = rows % HR  # the first head of the norm row
+    base = b * x_sb + pos * x_sl
+    D: tl.constexpr = 2 * HALF
     p = tl.arange(0, BLOCK_P)
     j = p % HALF  # the pair within its head
-    hl = p // HALF  # the head within the norm row (0 per head)
-    if INTERLEAVED:
-        d1 = 2 * j
-        d2 = d1 + 1
-    else:
-        d1 = j
-        d2 = j + HALF
     mask = rmask[:, None] & (p < P)[None, :]
-    hh = (rows % HR)[:, None] + hl[None, :]  # the head of every pair
-    x_off = (b * x_sb + pos * x_sl)[:, None] + hh * x_sh
-    x1 = tl.load(X + x_off + d1[None, :], mask=mask, other=0.0).to(tl.float32)
-    x2 = tl.load(X + x_off + d2[None, :], mask=mask, other=0.0).to(tl.float32)
+    if INTERLEAVED:
+        # The row's elements as one contiguous tile, split into pair members in registers
+        # (coalesced loads and stores; element e of the norm row is head e // D, dim e % D).
+        e = tl.arange(0, 2 * BLOCK_P)
+        emask = rmask[:, None] & (e < 2 * P)[None, :]
+        x_off = base[:, None] + (h0[:, None] + (e // D)[None, :]) * x_sh + (e % D)[None, :]
+        xe = tl.load(X + x_off, mask=emask, other=0.0).to(tl.float32)
+        x1, x2 = tl.split(tl.reshape(xe, [BLOCK_R, BLOCK_P, 2]))
+    else:
+        hh = h0[:, None] + (p // HALF)[None, :]  # the head of every pair
+        x_off = base[:, None] + hh * x_sh + j[None, :]
+        x1 = tl.load(X + x_off, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(X + x_off + HALF, mask=mask, other=0.0).to(tl.float32)
     if HAS_NORM:
         ss = tl.sum(x1 * x1 + x2 * x2, axis=1)
         r = tl.math.div_rn(1.0, tl.sqrt_rn(ss * inv_n + eps))
         x1 = x1 * r[:, None]
         x2 = x2 * r[:, None]
-        if HAS_W:
-            w_off = hl * (2 * HALF)
-            pm = p < P
-            x1 = x1 * tl.load(W + w_off + d1, mask=pm, other=0.0).to(tl.float32)[None, :]
-            x2 = x2 * tl.load(W + w_off + d2, mask=pm, other=0.0).to(tl.float32)[None, :]
+        if HAS_W:  # the weight of element e of a norm row is W[e]
+            if INTERLEAVED:
+                we = tl.load(W + e, mask=e < 2 * P, other=0.0).to(tl.float32)
+                w1, w2 = tl.split(tl.reshape(we, [BLOCK_P, 2]))
+            else:
+                w_off = (p // HALF) * D + j
+                w1 = tl.load(W + w_off, mask=p < P, other=0.0).to(tl.float32)
+                w2 = tl.load(W + w_off + HALF, mask=p < P, other=0.0).to(tl.float32)
+            x1 = x1 * w1[None, :]
+            x2 = x2 * w2[None, :]
     c_off = (b * c_sb + pos * c_sl)[:, None] + j[None, :] * c_sd
     s_off = (b * s_sb + pos * s_sl)[:, None] + j[None, :] * s_sd
     c1 = tl.load(C1 + c_off, mask=mask, other=0.0).to(tl.float32)
@@ -102,10 +113,15 @@ def _norm_rope_kernel(
         s2 = tl.load(S2 + s_off, mask=mask, other=0.0).to(tl.float32)
     o1 = x1 * c1 - x2 * s1
     o2 = x2 * c2 + x1 * s2
-    o_off = (tok * H)[:, None] * (2 * HALF) + hh * (2 * HALF)
     odt = Out.dtype.element_ty
-    tl.store(Out + o_off + d1[None, :], round_rne(o1, odt), mask=mask)
-    tl.store(Out + o_off + d2[None, :], round_rne(o2, odt), mask=mask)
+    o_row = (tok * H + h0) * D  # contiguous output: the norm row's first element
+    if INTERLEAVED:
+        o = tl.reshape(tl.join(o1, o2), [BLOCK_R, 2 * BLOCK_P])
+        tl.store(Out + o_row[:, None] + e[None, :], round_rne(o, odt), mask=emask)
+    else:
+        o_off = o_row[:, None] + (p // HALF)[None, :] * D + j[None, :]
+        tl.store(Out + o_off, round_rne(o1, odt), mask=mask)
+        tl.store(Out + o_off + HALF, round_rne(o2, odt), mask=mask)
 
 
 @triton.jit
