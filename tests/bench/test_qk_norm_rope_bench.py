@@ -59,3 +59,14 @@ def test_summary_checks_the_targets() -> None:
         "fast >= 1.0x compile": True,
         "fast >= 0.7 of clone": False,
     }
+
+
+def test_interleaved_timing(tiny: None) -> None:
+    """Each variant once per round; ratios are medians of the per-round ratios."""
+    case = bench._case("flux", 10, 2, False, torch.device("cpu"), bench._meaning)
+    results = bench.interleaved(case, 3, torch.device("cpu"))
+    assert [r.variant for r in results] == list(bench.VARIANTS)
+    assert all(r.reps == 3 and r.median_s > 0 for r in results)
+    rows = {r["variant"]: r for r in bench.interleaved_rows(results)}
+    assert rows["native"]["vs_native"] == 1.0 and rows["clone"]["of_clone_bw"] == 1.0
+    assert rows["fast"]["vs_compile"] > 0 and "p_ratio_to" not in rows["fast"]

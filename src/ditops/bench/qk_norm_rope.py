@@ -17,17 +17,27 @@ and weights are 1/H of that and come from cache), the memory roofline.
 
 Targets on CPU (issue 12): exact >= 3x native, fast >= 1.0x compile and >= 0.7 of the
 clone's bandwidth; :func:`summary` checks them.
+
+``ditops bench qk_norm_rope`` times the variants one after another (the harness's way).
+On a shared machine whose load moves within seconds that skews ratios, so
+``python -m ditops.bench.qk_norm_rope`` times them interleaved instead: every round runs
+each variant once (in a rotating order), and each ratio is the median of the per-round
+ratios, which cancels load that drifts slower than a round.
 """
 
 from __future__ import annotations
 
+import argparse
+import statistics
+import sys
+import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from ditops import config
-from ditops.bench.harness import Case
+from ditops.bench.harness import Case, Result
 from ditops.bench.suites import Suite, register_suite
 from ditops.layers.qk_norm_rope import qk_norm_rope
 
@@ -153,6 +163,86 @@ def _fmt(v: float | None) -> str:
     return "-" if v is None or v != v else f"{v:.2f}"
 
 
+def interleaved(case: Case, rounds: int, device: torch.device) -> list[Result]:
+    """Time ``case``'s variants in ``rounds`` rounds, each variant once per round (the
+    order rotating), after two untimed calls each (compiles, caches). Each ``Result``
+    holds the median time; ``ratio_to`` in its params the median per-round ratios."""
+    names = list(case.variants)
+    for fn in case.variants.values():
+        fn()
+        fn()
+    times: dict[str, list[float]] = {n: [] for n in names}
+    for r in range(rounds):
+        for name in names[r % len(names) :] + names[: r % len(names)]:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            case.variants[name]()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            times[name].append(time.perf_counter() - t0)
+    results = []
+    for name in names:
+        per_round = {
+            other: statistics.median(a / b for a, b in zip(times[other], times[name]))
+            for other in names
+        }
+        params = {**case.params, "ratio_to": per_round}
+        ts = times[name]
+        results.append(
+            Result(case.suite, case.name, name, statistics.median(ts), min(ts), len(ts), params,
+                   case.bytes_moved)
+        )  # fmt: skip
+    return results
+
+
+def interleaved_rows(results: list[Result]) -> list[dict[str, Any]]:
+    """``harness.ratios`` rows whose ratios are the medians of per-round ratios."""
+    from ditops.bench.harness import ratios
+
+    rows = ratios(results)
+    for row in rows:
+        per = row.get("p_ratio_to") or {}
+        row["vs_native"] = per.get("native")
+        row["vs_compile"] = per.get("compile")
+        row["of_clone_bw"] = per.get("clone")
+        row.pop("p_ratio_to", None)
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m ditops.bench.qk_norm_rope``: the suite timed interleaved, targets checked."""
+    from ditops.bench.harness import machine_info, print_table, write_json
+
+    parser = argparse.ArgumentParser(prog="python -m ditops.bench.qk_norm_rope")
+    parser.add_argument("--size", choices=("small", "full"), default="small")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--rounds", type=int, default=9)
+    parser.add_argument("--json", default=None, metavar="PATH")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 64)
+    results: list[Result] = []
+    for case in cases(device, args.size):
+        print(f"qk_norm_rope: {case.name}, {args.rounds} rounds", file=sys.stderr, flush=True)
+        results.extend(interleaved(case, args.rounds, device))
+    rows = interleaved_rows(results)
+    print_table(rows)
+    summ = summary(rows)
+    print_summary(summ)
+    if args.json:
+        payload = {
+            "machine": machine_info(device),
+            "command": " ".join(["python -m ditops.bench.qk_norm_rope", *(argv or sys.argv[1:])]),
+            "timing": "interleaved rounds; ratios are medians of per-round ratios",
+            "rows": rows,
+            "summary": summ,
+        }
+        write_json(args.json, payload)
+        print(f"\nwrote {args.json}", file=sys.stderr)
+    return 0
+
+
 SUITE = register_suite(
     Suite(
         name="qk_norm_rope",
@@ -161,3 +251,7 @@ SUITE = register_suite(
         steps=_steps,
     )
 )
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
