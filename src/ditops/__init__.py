@@ -23,6 +23,7 @@ from ditops.layers.modulation import (
     scale_residual_layer_norm_scale_shift,
 )
 from ditops.layers.norm import FP32LayerNorm
+from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
 __all__ = [
@@ -30,11 +31,15 @@ __all__ = [
     "BlockSparseAttention",
     "BlockSparseConfig",
     "LayerNormScaleShift",
+    "RMSNorm",
     "ScaleResidualLayerNormScaleShift",
     "block_sparse_attention",
     "estimate_block_mask",
     "gated_residual",
     "layer_norm_scale_shift",
+    "qk_norm_rope",
+    "rms_norm",
+    "rotary_embedding",
     "scale_residual_layer_norm_scale_shift",
     "CustomOp",
     "FP32LayerNorm",

@@ -122,6 +122,11 @@ def _bench(args: argparse.Namespace) -> int:
 
             payload["attention_summary"] = attention.summary(payload["rows"])
             attention.print_summary(payload["attention_summary"])
+        if "qk_norm_rope" in names:
+            from ditops.bench import qk_norm_rope
+
+            payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
+            qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
