@@ -1,12 +1,13 @@
 """Run a function on several CPU processes joined in a gloo process group, from a test.
 
 The processes are forked from the test process, so they start with torch, diffusers and
-ditops already imported (a spawned one spends ~9 s of CPU importing them) and the
-function may be a closure. Each process uses one thread (the CI machine has 2 cores), runs
-inside :func:`ditops.integrations.parallel.cpu_shims` (the two work-arounds diffusers 0.42
-needs without an accelerator: see its docstring) and sends back what the function
-returns (plain data) or its traceback. A process that hangs (a collective its peer never
-joins) is killed after ``timeout`` seconds and the test fails.
+ditops already imported (a spawned one spends ~9 s of CPU importing them; import the
+diffusers classes a test uses in the test module, since diffusers imports its submodules
+lazily) and the function may be a closure. Each process uses one thread (the CI machine
+has 2 cores), runs inside :func:`ditops.integrations.parallel.cpu_shims` (the two
+work-arounds diffusers 0.42 needs without an accelerator: see its docstring) and sends
+back what the function returns (plain data) or its traceback. A process that hangs (a
+collective its peer never joins) is killed after ``timeout`` seconds and the test fails.
 """
 
 from __future__ import annotations
