@@ -112,8 +112,8 @@ class Row:
     step: int
     dense: bool
     one_process_s: float
-    parallel_s: float | None  # None: refused
-    max_abs: float | None
+    parallel_s: float
+    max_abs: float
 
 
 def _forward(
@@ -223,29 +223,19 @@ def run(
         for i in range(n_steps):
             for name, options in todo:
                 bar.step(f"{name} step {i}")
+                if name in refused:
+                    continue
                 use(options)
                 dense = options is None or "attention" not in options or i < wan.SKIP_FIRST_STEPS
-                best_single = best_parallel = float("inf")
-                out_single = out_parallel = None
+                # The faster of REPEATS calls each, one process and P ranks in turns.
+                timings = []
                 for _ in range(wan.REPEATS):
-                    out_single, t = call(single, i)
-                    best_single = min(best_single, t)
-                    if name not in refused:
-                        out_parallel, t = call(parallel, i)
-                        best_parallel = min(best_parallel, t)
-                max_abs = None
-                if out_parallel is not None and out_single is not None:
-                    max_abs = float((out_parallel.double() - out_single.double()).abs().max())
-                rows.append(
-                    Row(
-                        name,
-                        i,
-                        dense,
-                        best_single,
-                        None if name in refused else best_parallel,
-                        max_abs,
-                    )
-                )
+                    out_single, t_single = call(single, i)
+                    out_parallel, t_parallel = call(parallel, i)
+                    timings.append((t_single, t_parallel))
+                max_abs = float((out_parallel.double() - out_single.double()).abs().max())
+                best_single, best_parallel = (min(t) for t in zip(*timings))
+                rows.append(Row(name, i, dense, best_single, best_parallel, max_abs))
     finally:
         bar.close()
         use(None)
@@ -281,26 +271,23 @@ def run(
 
 
 def _ratio(rows: list[Row]) -> float | None:
-    """Total one-process seconds over total parallel seconds (rows that ran in parallel)."""
-    timed = [(r.one_process_s, r.parallel_s) for r in rows if r.parallel_s is not None]
-    return sum(a for a, _ in timed) / sum(b for _, b in timed) if timed else None
+    """Total one-process seconds over total parallel seconds."""
+    return sum(r.one_process_s for r in rows) / sum(r.parallel_s for r in rows) if rows else None
 
 
 def _summary(rows: list[Row]) -> list[dict[str, Any]]:
     out = []
     for name in dict.fromkeys(r.variant for r in rows):
         mine = [r for r in rows if r.variant == name]
-        parallel = [r.parallel_s for r in mine if r.parallel_s is not None]
-        diffs = [r.max_abs for r in mine if r.max_abs is not None]
         out.append(
             {
                 "variant": name,
                 "one_process_s": sum(r.one_process_s for r in mine) / len(mine),
-                "parallel_s": sum(parallel) / len(parallel) if parallel else None,
+                "parallel_s": sum(r.parallel_s for r in mine) / len(mine),
                 "speedup": _ratio(mine),
                 "speedup_sparse_steps": _ratio([r for r in mine if not r.dense]),
-                "max_abs": max(diffs, default=None),
-                "bitwise_equal": bool(diffs) and all(d == 0 for d in diffs),
+                "max_abs": max(r.max_abs for r in mine),
+                "bitwise_equal": all(r.max_abs == 0 for r in mine),
             }
         )
     return out
@@ -327,11 +314,10 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
         file=out,
     )
     for r in result["rows"]:
-        speedup = None if r["parallel_s"] is None else r["one_process_s"] / r["parallel_s"]
+        speedup = r["one_process_s"] / r["parallel_s"]
         print(
             f"{r['variant']:<13} {r['step']:>4} {str(r['dense']):>5} {r['one_process_s']:>9.2f} "
-            f"{_f(r['parallel_s'], '.2f'):>10} {_f(speedup, '.2f'):>8} "
-            f"{_f(r['max_abs'], '.2e'):>18}",
+            f"{r['parallel_s']:>10.2f} {speedup:>8.2f} {r['max_abs']:>18.2e}",
             file=out,
         )
     print(
@@ -340,10 +326,11 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
         file=out,
     )
     for s in result["summary"]:
+        sparse = _f(s["speedup_sparse_steps"], ".2f")
         print(
-            f"{s['variant']:<13} {s['one_process_s']:>9.2f} {_f(s['parallel_s'], '.2f'):>10} "
-            f"{_f(s['speedup'], '.2f'):>8} {_f(s['speedup_sparse_steps'], '.2f'):>14} "
-            f"{str(s['bitwise_equal']):>8} {_f(s['max_abs'], '.2e'):>9}",
+            f"{s['variant']:<13} {s['one_process_s']:>9.2f} {s['parallel_s']:>10.2f} "
+            f"{s['speedup']:>8.2f} {sparse:>14} {str(s['bitwise_equal']):>8} "
+            f"{s['max_abs']:>9.2e}",
             file=out,
         )
     for name, why in result["refused"].items():
