@@ -47,6 +47,7 @@ from ditops.integrations.base import (
     replace_forward,
 )
 from ditops.integrations.norms import swap_norms
+from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
 from ditops.integrations.steps import StepState, track_steps
 
 # sha256 (first 16 hex digits) of the stripped, non-empty source lines, per diffusers
@@ -197,12 +198,40 @@ class SparseWanAttnProcessor:
     Dense steps (and any call it was not written for: cross-attention, a mask, I2V's
     image keys) run the wrapped ``WanAttnProcessor`` unchanged, so they are bitwise the
     unpatched model's.
+
+    Under diffusers' context parallelism (:mod:`ditops.integrations.parallel`): the
+    config lives on the wrapped processor (``_parallel_config`` and ``_attention_backend``
+    read and write through), so ``enable_parallelism`` after the patch reaches the
+    processor that runs the dense steps, a patch after ``enable_parallelism`` (or
+    ``from_pretrained(parallel_config=...)``) finds the config there, and ``unpatch``
+    leaves it in place. Sparse steps exchange q/k/v so that each rank estimates and
+    attends over the whole sequence for its heads. Under Ulysses, dense steps are
+    diffusers' (its own exchange); with ``ring_degree > 1`` ditops exchanges at every
+    step and dense steps run diffusers' attention backend on the exchanged heads.
     """
 
     def __init__(self, original: Any, sparse: nn.Module, steps: StepState) -> None:
         self.original = original
         self.sparse = sparse
         self.steps = steps
+
+    # diffusers' enable_parallelism writes _parallel_config into processors that have the
+    # attribute, and checks (set_attention_backend writes) _attention_backend.
+    @property
+    def _parallel_config(self) -> Any:
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value: Any) -> None:
+        self.original._parallel_config = value
+
+    @property
+    def _attention_backend(self) -> Any:
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value: Any) -> None:
+        self.original._attention_backend = value
 
     def _dense_now(self) -> bool:
         cfg = self.sparse.config
@@ -219,11 +248,13 @@ class SparseWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        cp = context_parallel_of(self._parallel_config)
+        dense = self._dense_now()
         if (
             encoder_hidden_states is not None
             or attention_mask is not None
             or getattr(attn, "add_k_proj", None) is not None
-            or self._dense_now()
+            or (dense and (cp is None or cp.ring_degree == 1))
         ):
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
@@ -237,13 +268,29 @@ class SparseWanAttnProcessor:
         if rotary_emb is not None:
             query = _apply_rotary(query, *rotary_emb)
             key = _apply_rotary(key, *rotary_emb)
-        shape = self.steps.latent_shape
-        if shape is not None:
-            self.sparse.set_video_shape(shape, self.steps.patch_size)
-        out = self.sparse(query, key, value, layout="BSND", step=self.steps.current())
+        attend = self._dense if dense else self._sparse
+        if cp is None:
+            out = attend(query, key, value)
+        else:
+            out = attend_across_ranks(cp, query, key, value, attend)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
+
+    def _sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Estimate + block-sparse attention over the whole sequence ([B, S, N, D])."""
+        shape = self.steps.latent_shape  # the whole video: recorded before any split
+        if shape is not None:
+            self.sparse.set_video_shape(shape, self.steps.patch_size)
+        return self.sparse(q, k, v, layout="BSND", step=self.steps.current())
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dense attention as WanAttnProcessor runs it on one device (its backend)."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(
+            q, k, v, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
 
 
 class WanFamily:
