@@ -5,13 +5,21 @@ same thing (``native``, ``compile``, ``exact``, ``fast``, ...) and a ``clone`` o
 bytes (the memory roofline). Every variant of a case is timed in the same run, so the
 report gives ratios (speedup over native, over ``torch.compile``, fraction of the clone's
 bandwidth) rather than lone absolute times, which on shared machines mean little.
+
+On CPU the speed of kernels that allocate per block of rows depends on glibc's malloc
+state (see :mod:`ditops.kernels.cpu.blocks`), which is fixed for a process at start-up:
+rows carry the state they were measured in (``malloc``: ``grows``, glibc's default, where
+the mmap threshold grows after large frees, or ``fixed``), and ``ditops bench`` re-runs
+such suites in a child process in the other state (:func:`malloc_env`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -159,10 +167,14 @@ def run_cases(
 
 
 def ratios(
-    results: list[Result], baseline: str = "native", roofline: str = "clone"
+    results: list[Result],
+    baseline: str = "native",
+    roofline: str = "clone",
+    malloc: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (case, variant): time, speedup over ``baseline`` and ``compile``, and
-    the fraction of the roofline's bandwidth (roofline time / variant time)."""
+    the fraction of the roofline's bandwidth (roofline time / variant time); ``malloc``
+    is the allocator state they were measured in (None where it does not apply)."""
     by_case: dict[tuple[str, str], dict[str, Result]] = {}
     for r in results:
         by_case.setdefault((r.suite, r.case), {})[r.variant] = r
@@ -184,6 +196,7 @@ def ratios(
                 "vs_compile": comp.median_s / r.median_s if comp else None,
                 "of_clone_bw": roof.median_s / r.median_s if roof and r.bytes_moved else None,
                 "error": r.error,
+                "malloc": malloc,
                 **{f"p_{k}": v for k, v in r.params.items()},
             }
             rows.append(row)
@@ -196,17 +209,20 @@ def _fmt(v: Any, spec: str) -> str:
     return format(v, spec)
 
 
-def print_table(rows: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
-    """A plain-text table of :func:`ratios` rows."""
+def print_table(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    """A plain-text table of :func:`ratios` rows (on stdout by default)."""
+    out = out or sys.stdout
     header = (
         f"{'case':<28} {'variant':<10} {'ms':>9} {'GB/s':>7} "
         f"{'x native':>9} {'x compile':>10} {'of clone':>9}"
     )
-    suite = None
+    section = None
     for row in rows:
-        if row["suite"] != suite:
-            suite = row["suite"]
-            print(f"\n== {suite}", file=out)
+        malloc = row.get("malloc")
+        if (row["suite"], malloc) != section:
+            section = (row["suite"], malloc)
+            where = f"  (malloc: {malloc}, {MALLOC_STATES[malloc]})" if malloc else ""
+            print(f"\n== {row['suite']}{where}", file=out)
             print(header, file=out)
         line = (
             f"{row['case']:<28} {row['variant']:<10} {_fmt(row['median_ms'], '9.2f')} "
@@ -218,6 +234,75 @@ def print_table(rows: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
         print(line, file=out)
 
 
+def print_malloc_summary(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    """Speedup over native of each variant in each malloc state, side by side (cases
+    measured in more than one state only)."""
+    out = out or sys.stdout
+    table: dict[tuple[str, str, str], dict[str, float | None]] = {}
+    for row in rows:
+        if row.get("malloc") and row["variant"] not in ("native", "clone"):
+            key = (row["suite"], row["case"], row["variant"])
+            table.setdefault(key, {})[row["malloc"]] = row["vs_native"]
+    both = {k: v for k, v in table.items() if len(v) > 1}
+    if not both:
+        return
+    states = list(MALLOC_STATES)
+    print("\n== x native in each malloc state", file=out)
+    head = " ".join(f"{s:>8}" for s in states)
+    print(f"{'suite':<12} {'case':<28} {'variant':<10} {head}", file=out)
+    for (suite, case, variant), by_state in both.items():
+        cells = " ".join(_fmt(by_state.get(s), "8.2f") for s in states)
+        print(f"{suite:<12} {case:<28} {variant:<10} {cells}", file=out)
+
+
+# --- glibc malloc states -----------------------------------------------------------------
+
+#: glibc reads it at start-up; once set the mmap threshold stays put (no growth).
+MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+#: glibc's starting threshold, 128 KiB
+MALLOC_FIXED = "131072"
+MALLOC_STATES = {
+    "grows": "glibc's default, the mmap threshold grows after large frees",
+    "fixed": f"{MALLOC_ENV}={MALLOC_FIXED}, the threshold stays at its starting 128 KiB",
+}
+#: glibc tunables that, like the variable, switch the threshold's growth off
+_FIXING_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+
+
+def malloc_state(environ: dict[str, str] | None = None) -> str:
+    """``fixed`` when the process was started with the mmap threshold set (by the
+    variable or a glibc tunable), else ``grows``."""
+    env = os.environ if environ is None else environ
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if env.get(MALLOC_ENV) or any(f"malloc.{t}=" in tunables for t in _FIXING_TUNABLES):
+        return "fixed"
+    return "grows"
+
+
+def malloc_env(state: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of the environment that starts a process in malloc ``state``."""
+    env = dict(os.environ if environ is None else environ)
+    env.pop(MALLOC_ENV, None)
+    tunables = [
+        t
+        for t in env.pop("GLIBC_TUNABLES", "").split(":")
+        if t and not any(t.startswith(f"glibc.malloc.{f}=") for f in _FIXING_TUNABLES)
+    ]
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+    if state == "fixed":
+        env[MALLOC_ENV] = MALLOC_FIXED
+    elif state != "grows":
+        raise ValueError(f"malloc state must be one of {sorted(MALLOC_STATES)}, got {state!r}")
+    return env
+
+
+def run_child(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv`` (a ``ditops bench`` writing JSON) with ``env``; its stdout (a table the
+    parent prints itself) is dropped, its stderr (progress, errors) shown. Exit status."""
+    return subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "ditops": ditops.__version__,
@@ -227,6 +312,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "processor": platform.processor(),
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "malloc": malloc_state() if device.type == "cpu" else None,
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
