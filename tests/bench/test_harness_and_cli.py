@@ -37,6 +37,8 @@ def test_ratios_from_one_run() -> None:
     )
     assert rows["clone"]["of_clone_bw"] == pytest.approx(1.0)
     assert rows["fast"]["vs_compile"] is None  # no compile variant in this case
+    assert all(r["cpu_ms"] >= 0 for r in rows.values())
+    assert rows["native"]["vs_native_cpu"] == pytest.approx(1.0)
 
 
 def test_a_failing_variant_is_reported_not_fatal() -> None:

@@ -1,6 +1,7 @@
 """The exact CPU kernels before and after a change, in both states of glibc's malloc.
 
-    python benchmarks/cpu/probes/malloc_states.py [--before COMMIT] [--rounds N] [--json PATH]
+    python benchmarks/cpu/probes/malloc_states.py [--before COMMIT] [--rounds N] [--threads T]
+        [--json PATH]
 
 Runs itself in two child processes, one with glibc's mmap threshold free to grow (the
 default; ``MALLOC_MMAP_THRESHOLD_`` removed from the environment) and one with it fixed at
@@ -9,6 +10,10 @@ round by round (median of the rounds): the eager meaning (``native``), ``torch.c
 of it, a ``clone`` of the bytes it must move, and the exact kernel of ``COMMIT``
 (``before``, loaded from git) and of the working tree (``after``), called directly. Both
 kernels are checked bitwise against the meaning first.
+
+Per call it records the wall time, the CPU time of the process (user + system, all
+threads: on a shared machine the wall time mostly measures waiting for a core) and the
+minor page faults.
 
 Cases: FP32LayerNorm bf16 [8192, 5120] with fp32 weight and bias; Wan's modulated norm
 ``(LN(h.float()) * (1 + scale) + shift).type_as(h)`` and the fused residual + norm on
@@ -20,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -130,13 +136,21 @@ def _cases(before: dict[str, Any]) -> dict[str, dict[str, Callable[[], Any]]]:
     return out
 
 
-def _child(commit: str, rounds: int) -> dict[str, Any]:
+def _usage() -> tuple[float, float, int]:
+    """(wall s, CPU s of every thread: user + system, minor page faults) so far."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return time.perf_counter(), r.ru_utime + r.ru_stime, r.ru_minflt
+
+
+def _child(commit: str, rounds: int, threads: int) -> dict[str, Any]:
     import torch
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(threads)
     before = {n: _load_before(commit, n) for n in ("layer_norm", "modulation")}
     cases = _cases(before)
-    times: dict[str, dict[str, list[float]]] = {c: {v: [] for v in vs} for c, vs in cases.items()}
+    samples: dict[str, dict[str, list[tuple[float, float, int]]]] = {
+        c: {v: [] for v in vs} for c, vs in cases.items()
+    }
     with torch.inference_mode():
         for variants in cases.values():
             for fn in variants.values():
@@ -144,11 +158,20 @@ def _child(commit: str, rounds: int) -> dict[str, Any]:
         for _ in range(rounds):
             for case, variants in cases.items():
                 for v, fn in variants.items():
-                    t0 = time.perf_counter()
+                    w0, c0, f0 = _usage()
                     fn()
-                    times[case][v].append(time.perf_counter() - t0)
+                    w1, c1, f1 = _usage()
+                    samples[case][v].append((w1 - w0, c1 - c0, f1 - f0))
     return {
-        case: {v: statistics.median(ts) * 1e3 for v, ts in vs.items()} for case, vs in times.items()
+        case: {
+            v: {
+                "wall_ms": statistics.median(s[0] for s in ss) * 1e3,
+                "cpu_ms": statistics.median(s[1] for s in ss) * 1e3,
+                "faults": int(statistics.median(s[2] for s in ss)),
+            }
+            for v, ss in vs.items()
+        }
+        for case, vs in samples.items()
     }
 
 
@@ -156,11 +179,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--before", default="4a299e3", help="the commit to compare against")
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     parser.add_argument("--json", default=None, metavar="PATH")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.child:
-        print(json.dumps(_child(args.before, args.rounds)))
+        print(json.dumps(_child(args.before, args.rounds, args.threads)))
         return
     results: dict[str, Any] = {}
     for state, value in STATES.items():
@@ -179,21 +203,37 @@ def main() -> None:
         ]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         results[state] = json.loads(out.strip().splitlines()[-1])
-    print(f"median of {args.rounds} interleaved rounds, 2 threads; before = {args.before}")
     print(
-        f"{'case':<40} {'malloc':<7} {'native':>8} {'compile':>8} {'clone':>7} {'before':>8} "
-        f"{'after':>8} {'before x nat':>12} {'after x nat':>11}"
+        f"median of {args.rounds} interleaved rounds, {args.threads} thread(s); "
+        f"before = {args.before}; load average {os.getloadavg()[0]:.1f}\n"
+        "wall ms / CPU ms (user + system, all threads) / minor page faults per call"
     )
+    variants = ("native", "compile", "clone", "before", "after")
+    head = " ".join(f"{v:>20}" for v in variants)
+    print(f"{'case':<38} {'malloc':<6} {head} {'x native: before':>17} {'after':>6}")
     for case in results["grows"]:
         for state in STATES:
             t = results[state][case]
+            cells = " ".join(
+                f"{t[v]['wall_ms']:7.0f}/{t[v]['cpu_ms']:5.0f}/{t[v]['faults']:6d}"
+                for v in variants
+            )
+            nat = t["native"]
+            ratio = {v: nat["wall_ms"] / t[v]["wall_ms"] for v in ("before", "after")}
+            cpu = {v: nat["cpu_ms"] / t[v]["cpu_ms"] for v in ("before", "after")}
             print(
-                f"{case:<40} {state:<7} {t['native']:8.1f} {t['compile']:8.1f} {t['clone']:7.1f} "
-                f"{t['before']:8.1f} {t['after']:8.1f} {t['native'] / t['before']:12.2f} "
-                f"{t['native'] / t['after']:11.2f}"
+                f"{case:<38} {state:<6} {cells} "
+                f"{ratio['before']:5.2f} ({cpu['before']:4.2f} cpu) {ratio['after']:5.2f} "
+                f"({cpu['after']:4.2f} cpu)"
             )
     if args.json:
-        payload = {"command": " ".join(sys.argv), "before": args.before, "ms": results}
+        payload = {
+            "command": " ".join(sys.argv),
+            "before": args.before,
+            "threads": args.threads,
+            "load_average": os.getloadavg(),
+            "ms": results,
+        }
         Path(args.json).write_text(json.dumps(payload, indent=2) + "\n")
 
 

@@ -54,6 +54,7 @@ class Result:
     params: dict[str, Any]
     bytes_moved: int = 0
     error: str = ""
+    cpu_s: float = float("nan")
 
     @property
     def gbps(self) -> float:
@@ -75,21 +76,26 @@ def time_call(
     min_reps: int = 5,
     min_seconds: float = 0.5,
     max_reps: int = 200,
-) -> tuple[float, float, int]:
-    """Median and minimum seconds of ``fn()``, after ``warmup`` calls (compiles, caches)."""
+) -> tuple[float, float, int, float]:
+    """Median and minimum seconds of ``fn()``, after ``warmup`` calls (compiles, caches),
+    the number of calls timed, and the median CPU seconds of a call (user + system, all
+    threads of the process: on a shared machine the wall time mostly measures waiting for
+    a core, the CPU time what the call did)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     times: list[float] = []
+    cpu: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or (
         time.perf_counter() - start < min_seconds and len(times) < max_reps
     ):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), len(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), min(times), len(times), statistics.median(cpu)
 
 
 class Progress:
@@ -142,15 +148,11 @@ def run_cases(
             for variant, fn in case.variants.items():
                 bar.step(f"{case.name} {variant}")
                 try:
-                    med, best, reps = time_call(fn, device, min_seconds=min_seconds)
+                    med, best, reps, cpu = time_call(fn, device, min_seconds=min_seconds)
                     error = ""
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
-                    med, best, reps, error = (
-                        float("nan"),
-                        float("nan"),
-                        0,
-                        f"{type(exc).__name__}: {exc}",
-                    )
+                    med, best, reps, cpu = float("nan"), float("nan"), 0, float("nan")
+                    error = f"{type(exc).__name__}: {exc}"
                 yield Result(
                     case.suite,
                     case.name,
@@ -161,6 +163,7 @@ def run_cases(
                     case.params,
                     case.bytes_moved,
                     error,
+                    cpu,
                 )
     finally:
         bar.close()
@@ -190,9 +193,11 @@ def ratios(
                 "variant": name,
                 "median_ms": r.median_s * 1e3,
                 "min_ms": r.min_s * 1e3,
+                "cpu_ms": r.cpu_s * 1e3,
                 "reps": r.reps,
                 "gbps": r.gbps,
                 "vs_native": base.median_s / r.median_s if base else None,
+                "vs_native_cpu": base.cpu_s / r.cpu_s if base and r.cpu_s else None,
                 "vs_compile": comp.median_s / r.median_s if comp else None,
                 "of_clone_bw": roof.median_s / r.median_s if roof and r.bytes_moved else None,
                 "error": r.error,
@@ -205,7 +210,7 @@ def ratios(
 
 def _fmt(v: Any, spec: str) -> str:
     if v is None or (isinstance(v, float) and v != v):
-        return "-"
+        return format("-", ">" + spec.split(".")[0])
     return format(v, spec)
 
 
@@ -214,7 +219,7 @@ def print_table(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
     out = out or sys.stdout
     header = (
         f"{'case':<28} {'variant':<10} {'ms':>9} {'GB/s':>7} "
-        f"{'x native':>9} {'x compile':>10} {'of clone':>9}"
+        f"{'x native':>9} {'x compile':>10} {'of clone':>9} {'cpu ms':>9} {'x nat cpu':>9}"
     )
     section = None
     for row in rows:
@@ -227,7 +232,8 @@ def print_table(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
         line = (
             f"{row['case']:<28} {row['variant']:<10} {_fmt(row['median_ms'], '9.2f')} "
             f"{_fmt(row['gbps'] or None, '7.1f')} {_fmt(row['vs_native'], '9.2f')} "
-            f"{_fmt(row['vs_compile'], '10.2f')} {_fmt(row['of_clone_bw'], '9.2f')}"
+            f"{_fmt(row['vs_compile'], '10.2f')} {_fmt(row['of_clone_bw'], '9.2f')} "
+            f"{_fmt(row.get('cpu_ms'), '9.2f')} {_fmt(row.get('vs_native_cpu'), '9.2f')}"
         )
         if row["error"]:
             line += f"  ERROR {row['error'][:80]}"
@@ -235,23 +241,28 @@ def print_table(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
 
 
 def print_malloc_summary(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
-    """Speedup over native of each variant in each malloc state, side by side (cases
-    measured in more than one state only)."""
+    """Speedup over native of each variant in each malloc state, side by side, by wall
+    time and by CPU time (cases measured in more than one state only)."""
     out = out or sys.stdout
-    table: dict[tuple[str, str, str], dict[str, float | None]] = {}
+    table: dict[tuple[str, str, str], dict[str, tuple[Any, Any]]] = {}
     for row in rows:
         if row.get("malloc") and row["variant"] not in ("native", "clone"):
             key = (row["suite"], row["case"], row["variant"])
-            table.setdefault(key, {})[row["malloc"]] = row["vs_native"]
+            speedups = (row["vs_native"], row.get("vs_native_cpu"))
+            table.setdefault(key, {})[row["malloc"]] = speedups
     both = {k: v for k, v in table.items() if len(v) > 1}
     if not both:
         return
     states = list(MALLOC_STATES)
-    print("\n== x native in each malloc state", file=out)
-    head = " ".join(f"{s:>8}" for s in states)
+    print("\n== x native in each malloc state (wall time, CPU time)", file=out)
+    head = " ".join(f"{s + ' wall':>11} {s + ' cpu':>10}" for s in states)
     print(f"{'suite':<12} {'case':<28} {'variant':<10} {head}", file=out)
     for (suite, case, variant), by_state in both.items():
-        cells = " ".join(_fmt(by_state.get(s), "8.2f") for s in states)
+        cells = " ".join(
+            f"{_fmt(by_state.get(s, (None, None))[0], '11.2f')} "
+            f"{_fmt(by_state.get(s, (None, None))[1], '10.2f')}"
+            for s in states
+        )
         print(f"{suite:<12} {case:<28} {variant:<10} {cells}", file=out)
 
 

@@ -13,8 +13,12 @@ output:
 
 * ``exact`` runs the very eager ops, block by block. Every one of them is elementwise
   or normalises each row on its own, so the bits are those of the eager expression.
-  Temporaries are reused fp32 blocks and in-place ops where that gives the same bits
-  (a mixed-dtype op would make its own fp32 copy of its operand).
+  Temporaries live in this thread's scratch blocks (:mod:`ditops.kernels.cpu.blocks`):
+  in-place ops where that gives the same bits, ``out=`` variants for the low-precision
+  intermediates eager rounds (``x * gate``, ``1 + scale``), and exact fp32 copies of
+  low-precision per-token operands (a mixed-dtype op would allocate that copy itself,
+  per block). LayerNorm's own output is kept off fresh pages as ``blocks`` explains,
+  so no block-sized memory is allocated per block in either state of glibc's malloc.
 * ``fast`` folds a per-sample or per-frame modulation into LayerNorm's affine
   parameters, ``w' = w * (1 + scale)``, ``b' = b * (1 + scale) + shift`` (fp32, one row
   of C each), and lets ATen's mixed-dtype LayerNorm (low-precision in and out, fp32
@@ -138,10 +142,11 @@ def _plan(B: int, L: int, step: int, row_bytes: int) -> tuple[int, int]:
     return blocks.block_step(step, piece), piece
 
 
-def _f32_rows(t: torch.Tensor | None, bufs: _Buffers) -> torch.Tensor | None:
-    """A low-precision per-token block as fp32 in slot 1 (widening is exact, so the op it
-    feeds gives the bits it gives the low-precision operand); anything else as it is."""
-    if t is None or t.dtype == torch.float32 or t.dim() < 2:
+def _f32_rows(t: torch.Tensor, bufs: _Buffers) -> torch.Tensor:
+    """A low-precision block of rows as fp32 in slot 1 (widening is exact, so the op it
+    feeds gives the bits it gives the low-precision operand); anything else (fp32, a
+    scalar or one row, whose converted copy is small) as it is."""
+    if t.dtype == torch.float32 or t.dim() < 2:
         return t
     return bufs.get(1, t.shape[0]).copy_(t)
 
@@ -190,9 +195,7 @@ def _gated_sum_exact(
         acc.mul_(_f32_rows(g, bufs))
     else:
         acc.copy_(torch.mul(xc, g, out=bufs.get(2, n, torch.result_type(xc, g))))
-    rc32 = _f32_rows(rc, bufs)  # a same-dtype add: a mixed one makes its own fp32 copy
-    assert rc32 is not None
-    acc.add_(rc32)
+    acc.add_(_f32_rows(rc, bufs))  # a same-dtype add: a mixed one makes its own fp32 copy
     return acc
 
 
@@ -217,9 +220,9 @@ def _ln_mod_block_exact(
     s1 = rows.get("one_plus") if scale is None else _one_plus(scale, bufs)
     if s1 is not None:
         y.mul_(s1)
-    t = _f32_rows(rows.get("shift"), bufs)
+    t = rows.get("shift")
     if t is not None:
-        y.add_(t)
+        y.add_(_f32_rows(t, bufs))
     out.copy_(y)  # rounds to nearest even, as .to() does
 
 
