@@ -200,6 +200,8 @@ def main() -> None:
             args.before,
             "--rounds",
             str(args.rounds),
+            "--threads",
+            str(args.threads),
         ]
         out = subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout
         results[state] = json.loads(out.strip().splitlines()[-1])
