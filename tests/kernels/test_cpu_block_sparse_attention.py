@@ -152,6 +152,15 @@ def test_plan_buckets_lengths_and_causal_offsets() -> None:
     assert empty.tolist() == [2]
 
 
+def test_bool_mask_with_padding_columns() -> None:
+    """The NPU convention: columns past KVb (padding to 32) are zero and ignored."""
+    q, k, v = qkv(2, 2, 300, 16, torch.float32)
+    mask, counts = random_mask(1, 2, 3, 3, seed=14)
+    padded = torch.zeros(1, 2, 3, 32, dtype=torch.bool)
+    padded[..., :3] = mask.bool()
+    assert_attention_close(run(q, k, v, padded), native_attention(q, k, v, mask, counts), v)
+
+
 def test_no_keys_or_no_selected_blocks_give_zeros() -> None:
     q, k, v = qkv(2, 2, 300, 16, torch.float32)
     none = torch.zeros(1, 2, 3, 3, dtype=torch.int8)
