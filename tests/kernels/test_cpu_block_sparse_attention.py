@@ -208,6 +208,7 @@ def test_the_op_takes_this_path_on_cpu() -> None:
     assert_attention_close(out.transpose(1, 2), native_attention(q, k, v, mask, counts), v)
 
 
+@pytest.mark.slow  # dynamo's first trace in a process: several seconds
 def test_traced_as_one_opaque_call() -> None:
     """Under torch.compile the kernel is one custom-op node: no graph break."""
     q, k, v = qkv(2, 2, 300, 16, torch.float32)
