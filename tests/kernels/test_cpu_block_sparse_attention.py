@@ -220,3 +220,55 @@ def test_traced_as_one_opaque_call() -> None:
     with torch.no_grad():
         out = torch.compile(f, backend="eager", fullgraph=True)(q, k, v)
     assert_attention_close(out / 2, native_attention(q, k, v, mask, counts), v)
+
+
+def _paired_mask() -> torch.Tensor:
+    """[1, 2, 6, 6] rows built so that plan_buckets pairs some neighbours: head 0 blocks
+    0/1 select the same keys (a pair, no private items), 2/3 share 2 of 3 (pair plus
+    private items), 4/5 share 1 of 4 (below half: served one by one); head 1 blocks 0/1
+    are a pair where one side selects nothing more, 2 selects nothing, 4/5 pair."""
+    rows = [
+        [[1, 0, 1, 0, 0, 1], [1, 0, 1, 0, 0, 1], [0, 1, 1, 0, 1, 0],
+         [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 1, 1]],
+        [[0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0],
+         [1, 1, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1]],
+    ]  # fmt: skip
+    return torch.tensor([rows], dtype=torch.int8)
+
+
+def test_plan_buckets_pairs_neighbouring_query_blocks() -> None:
+    buckets, empty = kernel.plan_buckets(_paired_mask(), q_len=768, kv_len=768, block_size=128,
+                                         causal=False, pair=True)  # fmt: skip
+    got = {kind: sorted(r for b in buckets if b.kind == kind for r in b.rows.tolist())
+           for kind in ("pair", "private", "single")}  # fmt: skip
+    # Flat rows: head 0 is 0..5, head 1 is 6..11. Row 8 selects nothing.
+    assert got == {"pair": [0, 2, 6, 10], "private": [2, 3, 6, 11], "single": [4, 5, 9]}
+    assert empty.tolist() == [8]
+    pair = next(b for b in buckets if b.kind == "pair" and 2 in b.rows.tolist())
+    assert pair.q_len == 256 and pair.kv_len == 2 * 128
+    # Causal masks are never paired (each block has its own diagonal).
+    buckets, _ = kernel.plan_buckets(_paired_mask(), q_len=768, kv_len=768, block_size=128,
+                                     causal=True, pair=True)  # fmt: skip
+    assert {b.kind for b in buckets} == {"single"}
+
+
+@pytest.mark.parametrize("layout", ["BNSD", "BSND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_pairs_match_native_and_the_unpaired_path(
+    monkeypatch: pytest.MonkeyPatch, layout: str, dtype: torch.dtype
+) -> None:
+    """Pairs (merged with private items through the log-sum-exp) give native's answer,
+    with GQA, a partial last query block (never paired) and a row with no key."""
+    gen = torch.Generator().manual_seed(15)
+    q = torch.randn(1, 2, 700, 32, generator=gen).to(dtype)  # 6 blocks of 128, last partial
+    k = torch.randn(1, 1, 768, 32, generator=gen).to(dtype)
+    v = torch.randn(1, 1, 768, 32, generator=gen).to(dtype)
+    mask = _paired_mask()
+    counts = mask.sum(-1, dtype=torch.int32)
+    if layout == "BSND":
+        q, k, v = bsnd(q, k, v)
+    paired = check(q, k, v, mask, counts, layout=layout)
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", False)
+    single = check(q, k, v, mask, counts, layout=layout)
+    if dtype == torch.float32:
+        torch.testing.assert_close(paired, single, atol=2e-6, rtol=2e-6)

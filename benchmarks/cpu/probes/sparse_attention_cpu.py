@@ -33,6 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+import ditops.kernels.cpu.block_sparse_attention as kernel
 from ditops.attention.block_mask import (
     density_stats,
     num_blocks,
@@ -139,10 +140,15 @@ def main() -> None:
     p.add_argument("--flex-options", action="store_true",
                    help="FlexAttention variants at the first keep, random mask")  # fmt: skip
     p.add_argument("--causal", action="store_true")
+    p.add_argument("--no-pairs", action="store_true",
+                   help="also time the gathered path without query-block pairs")  # fmt: skip
+    p.add_argument("--pair-shares", default="",
+                   help="also time these PAIR_MIN_SHARED values, e.g. 0.75,0.9")  # fmt: skip
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     dtype = getattr(torch, args.dtype)
     keeps = [float(x) for x in args.keeps.split(",")]
+    args.pair_shares = [float(x) for x in args.pair_shares.split(",") if x]
     kinds = args.masks.split(",")
     causal = args.causal
     q, k, v = inputs(args.heads, args.seq, args.dim, dtype)
@@ -158,11 +164,17 @@ def main() -> None:
     def dense():
         return F.scaled_dot_product_attention(qv, kv, vv, is_causal=causal)
 
-    def gathered(m):
+    def gathered(m, pairs=True, share=None):
         def run():
-            return gathered_block_sparse_attention(
-                qv, kv, vv, m, scale, causal, BLOCK, args.layout == "BSND"
-            )
+            kept = kernel.PAIR_QUERY_BLOCKS, kernel.PAIR_MIN_SHARED
+            kernel.PAIR_QUERY_BLOCKS = pairs
+            kernel.PAIR_MIN_SHARED = kept[1] if share is None else share
+            try:
+                return gathered_block_sparse_attention(
+                    qv, kv, vv, m, scale, causal, BLOCK, args.layout == "BSND"
+                )
+            finally:
+                kernel.PAIR_QUERY_BLOCKS, kernel.PAIR_MIN_SHARED = kept
 
         return run
 
@@ -198,6 +210,10 @@ def main() -> None:
                 return float((out[:, :2].float() - ref.float()).abs().max()) / vmax
 
             group = {f"gathered {tag}": gathered(m)}
+            if args.no_pairs:
+                group[f"gathered, no pairs {tag}"] = gathered(m, pairs=False)
+            for share in args.pair_shares:
+                group[f"gathered, pairs >= {share} {tag}"] = gathered(m, share=share)
             if not args.no_flex and (not args.flex_options or keep == keeps[0]):
                 group[f"flex {tag}"] = flex(m, c)
             if args.flex_options and keep == keeps[0] and kind == kinds[0]:

@@ -11,8 +11,17 @@ CPU (AVX2, no AMX) the flash kernel is faster per key than FlexAttention's CPU
 template, about 2x in bf16 (``benchmarks/cpu/probes/sparse_attention_cpu.py``). What it
 costs: the copy of the selected keys and values (``keep x`` the inputs per query
 block, a few % of the time), and 128-row queries, on which the flash kernel works in
-32-row tiles where a dense call uses 256-row ones (measured on gathered data: 0.73-0.84
+32-row tiles where a dense call uses 256-row ones (measured on gathered data: 0.73-0.86
 of dense SDPA's speed per key, the ceiling of this design).
+
+Pairs (not causal): two neighbouring query blocks of a head whose selections mostly
+agree (``PAIR_MIN_SHARED``) run as one 256-row query over the key blocks both select
+(64-row tiles), and each block then runs alone over the blocks only it selects; the two
+parts are merged through their log-sum-exps (``w = exp(lse - max)``, in fp32). Video
+masks pair often (neighbouring tokens attend alike: 14% less CPU time at keep 0.25 in
+``benchmarks/cpu/probes/sparse_attention_cpu.txt``), random ones rarely. The pair's
+output is rounded to the output dtype before the merge: one extra rounding for the
+rows that have private blocks, within the ``fast`` tolerance.
 
 Parallel regions: every ATen call that splits work over threads wakes the worker
 threads, which on a busy machine costs milliseconds. So the copies are few and big:
@@ -58,17 +67,33 @@ from ditops.kernels.opaque import opaque_op
 #: threads of a busy machine (more parallel regions).
 WORKSPACE_BYTES = 64 * 1024 * 1024
 
+#: Serve neighbouring query blocks with mostly the same key blocks as pairs (see
+#: :func:`plan_buckets`): SDPA on 256 query rows works in 64-row tiles instead of
+#: 32-row ones.
+PAIR_QUERY_BLOCKS = True
+#: ... when the blocks both select are at least this share of the larger selection.
+PAIR_MIN_SHARED = 0.5
+
+# SDPA's CPU flash kernel with its log-sum-exp (needed to merge a pair's parts); pairs
+# are off if a torch build lacks it.
+_WITH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
 
 @dataclass(frozen=True)
 class Bucket:
-    """Rows of the block mask that one batch of SDPA calls serves.
+    """Work items of one shape, served by one SDPA call per chunk.
 
-    ``rows``: flat ``(b * N + n) * Qb + r`` row ids; ``blocks``: ``[rows, count]``
-    selected key blocks of each row, ascending; ``q_len``: real query rows of the block;
+    ``kind``: ``"single"`` (a query block over its selected key blocks), ``"pair"``
+    (two neighbouring query blocks of a head over the key blocks both select) or
+    ``"private"`` (a paired query block over the blocks only it selects; merged with
+    its pair's result through the log-sum-exp). ``rows``: flat ``(b * N + n) * Qb + r``
+    mask row ids (of the first block, for a pair); ``blocks``: ``[rows, count]`` key
+    blocks of each item, ascending; ``q_len``: query rows (``2 * block`` for a pair);
     ``kv_len``: gathered keys; ``causal_offset``: ``-1`` when every gathered key is
     visible, else the number of gathered keys before the diagonal block.
     """
 
+    kind: str
     rows: torch.Tensor
     blocks: torch.Tensor
     q_len: int
@@ -77,12 +102,20 @@ class Bucket:
 
 
 def plan_buckets(
-    mask: torch.Tensor, *, q_len: int, kv_len: int, block_size: int, causal: bool
+    mask: torch.Tensor,
+    *,
+    q_len: int,
+    kv_len: int,
+    block_size: int,
+    causal: bool,
+    pair: bool = False,
 ) -> tuple[list[Bucket], torch.Tensor]:
     """Group the rows of a ``[B, N, Qb, >=KVb]`` 0/1 mask into :class:`Bucket` s.
 
-    Returns the buckets and the flat ids of the rows that select nothing (their queries
-    output zeros).
+    With ``pair`` (not causal), query blocks ``2i`` and ``2i + 1`` of a head whose
+    selections share at least half of the larger one are served as a pair over the
+    shared blocks plus two private items. Returns the buckets and the flat ids of the
+    rows that select nothing (their queries output zeros).
     """
     q_blocks = -(-q_len // block_size)
     kv_blocks = -(-kv_len // block_size)
@@ -95,32 +128,52 @@ def plan_buckets(
         sel = sel & (j <= r)
     sel = sel.reshape(int(sel.shape[0]) * int(sel.shape[1]) * q_blocks, kv_blocks)
     counts = sel.sum(-1)
-    # Ascending selected block ids first (a stable sort of the 1s before the 0s).
-    order = torch.argsort(sel.to(torch.int8), dim=-1, descending=True, stable=True)
     q_block = torch.arange(sel.shape[0], device=dev) % q_blocks
     q_rows = (q_len - q_block * block_size).clamp(max=block_size)
-    keys = counts * block_size
+    single = counts > 0
+    items: list[tuple[str, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    pairs = (q_len // block_size) // 2  # pairs of whole query blocks per head
+    if pair and not causal and pairs:
+        heads_rows = torch.arange(sel.shape[0] // q_blocks, device=dev)[:, None] * q_blocks
+        even = (heads_rows + 2 * torch.arange(pairs, device=dev)).reshape(-1)
+        both = sel[even] & sel[even + 1]
+        shared = both.sum(-1)
+        most = torch.maximum(counts[even], counts[even + 1])
+        take = (shared > 0) & (shared >= PAIR_MIN_SHARED * most)
+        first, both = even[take], both[take]
+        items.append(("pair", first, both, torch.full_like(first, 2 * block_size)))
+        for rows in (first, first + 1):
+            items.append(("private", rows, sel[rows] & ~both, torch.full_like(rows, block_size)))
+            single[rows] = False
+    rows = single.nonzero().flatten()
+    items.append(("single", rows, sel[rows], q_rows[rows]))
+
     tail = kv_len - (kv_blocks - 1) * block_size
-    if kv_blocks and tail < block_size:
-        keys = keys - sel[:, -1].long() * (block_size - tail)
-    offset = torch.full_like(counts, -1)
-    if causal:
-        on_diag = q_block < kv_blocks
-        diag = torch.zeros_like(on_diag)
-        diag[on_diag] = sel[on_diag, q_block[on_diag]]
-        offset = torch.where(diag, (counts - 1) * block_size, offset)
-    empty = (counts == 0).nonzero().flatten()
-    live = counts > 0
-    table = torch.stack([q_rows, keys, offset, counts], dim=-1)[live]
-    ids = live.nonzero().flatten()
-    if ids.numel() == 0:
-        return [], empty
-    shapes, inverse = torch.unique(table, dim=0, return_inverse=True)
     buckets = []
-    for i, (lq, lk, off, count) in enumerate(shapes.tolist()):
-        rows = ids[inverse == i]
-        buckets.append(Bucket(rows, order[rows, :count], lq, lk, off))
-    return buckets, empty
+    for kind, rows, chosen, lq in items:
+        count = chosen.sum(-1)
+        live = count > 0
+        rows, chosen, lq, count = rows[live], chosen[live], lq[live], count[live]
+        if rows.numel() == 0:
+            continue
+        keys = count * block_size
+        if kv_blocks and tail < block_size:
+            keys = keys - chosen[:, -1].long() * (block_size - tail)
+        offset = torch.full_like(count, -1)
+        if causal:
+            qb = rows % q_blocks
+            on_diag = qb < kv_blocks
+            diag = torch.zeros_like(on_diag)
+            diag[on_diag] = chosen[on_diag, qb[on_diag]]
+            offset = torch.where(diag, (count - 1) * block_size, offset)
+        # Ascending chosen block ids first (a stable sort of the 1s before the 0s).
+        order = torch.argsort(chosen.to(torch.int8), dim=-1, descending=True, stable=True)
+        table = torch.stack([lq, keys, offset, count], dim=-1)
+        shapes, inverse = torch.unique(table, dim=0, return_inverse=True)
+        for i, (length, keys_i, off, n) in enumerate(shapes.tolist()):
+            these = inverse == i
+            buckets.append(Bucket(kind, rows[these], order[these, :n], length, keys_i, off))
+    return buckets, (counts == 0).nonzero().flatten()
 
 
 class _Rows:
@@ -275,17 +328,20 @@ def gathered_block_sparse_attention(
     if q_len == 0 or kv_len == 0:
         return out.zero_()  # no keys: every query outputs zeros
     buckets, empty = plan_buckets(
-        mask, q_len=q_len, kv_len=kv_len, block_size=block_size, causal=causal
-    )
+        mask, q_len=q_len, kv_len=kv_len, block_size=block_size, causal=causal,
+        pair=PAIR_QUERY_BLOCKS and _WITH_LSE is not None,
+    )  # fmt: skip
     qr, kr, vr = _Rows(q, block_size), _Rows(k, block_size), _Rows(v, block_size)
     outr = _Rows(out.transpose(1, 2) if bsnd_out else out, block_size)
     q_blocks = -(-q_len // block_size)
     q_tail = q_len - (q_blocks - 1) * block_size
 
     def query_part(rows: torch.Tensor, length: int, table: _Rows) -> _Part:
-        """The query (or output) block of each flat mask row."""
+        """The query (or output) block of each flat mask row; two blocks for a pair."""
         bh = rows // q_blocks
-        return _Part(table.start(bh // heads, bh % heads), (rows % q_blocks)[:, None], length)
+        r = (rows % q_blocks)[:, None]
+        blocks = torch.cat([r, r + 1], dim=1) if length > block_size else r
+        return _Part(table.start(bh // heads, bh % heads), blocks, length)
 
     def key_part(rows: torch.Tensor, blocks: torch.Tensor, length: int, table: _Rows) -> _Part:
         bh = rows // q_blocks
@@ -299,60 +355,99 @@ def gathered_block_sparse_attention(
                 zeros = out.new_zeros(rows.numel() * length, v_dim)
                 outr.scatter([query_part(rows, length, outr)], [zeros])
 
-    # Work in groups: each group's keys, values and queries are gathered with one copy
-    # each (one parallel region; on a busy machine each costs a thread wake-up, which
-    # is milliseconds), then SDPA runs once per bucket in the group.
+    # Pairs first: their outputs and log-sum-exps are in place when the private items
+    # of the same rows are merged into them.
+    pairs = [bk for bk in buckets if bk.kind == "pair"]
+    others = [bk for bk in buckets if bk.kind != "pair"]
+    lse = None
+    if pairs:
+        lse = torch.empty(int(mask.shape[0] * mask.shape[1]) * q_blocks, block_size)
     per_chunk = max(1, WORKSPACE_BYTES // q.element_size() // max(qr.dim, vr.dim))
-    groups: list[list[tuple[Bucket, int, int]]] = [[]]
-    used = 0
-    for bk in buckets:
-        width = max(bk.kv_len, bk.q_len)
-        step = max(1, per_chunk // width)
-        for first in range(0, bk.rows.numel(), step):
-            last = min(first + step, bk.rows.numel())
-            cost = (last - first) * width
-            if used + cost > per_chunk and groups[-1]:
-                groups.append([])
-                used = 0
-            groups[-1].append((bk, first, last))
-            used += cost
+    phases = [_groups(pairs, per_chunk), _groups(others, per_chunk)]
+    groups = [g for p in phases for g in p]
+    if not groups:
+        return out  # every row selects nothing: zeros, written above
     kv_rows = max(sum((e - f) * bk.kv_len for bk, f, e in g) for g in groups)
     q_rows = max(sum((e - f) * bk.q_len for bk, f, e in g) for g in groups)
     with _workspace(
         (kv_rows * kr.dim, k.dtype), (kv_rows * vr.dim, v.dtype), (q_rows * qr.dim, q.dtype)
     ) as (k_buf, v_buf, q_buf):
         for segments in groups:
-            if not segments:
-                continue
-            qp, kp, vp, op = [], [], [], []
+            qp, kp, vp = [], [], []
             for bk, first, last in segments:
                 rows, blocks = bk.rows[first:last], bk.blocks[first:last]
                 qp.append(query_part(rows, bk.q_len, qr))
-                op.append(query_part(rows, bk.q_len, outr))
                 kp.append(key_part(rows, blocks, bk.kv_len, kr))
                 vp.append(key_part(rows, blocks, bk.kv_len, vr))
             qs, ks, vs = qr.gather(qp, q_buf), kr.gather(kp, k_buf), vr.gather(vp, v_buf)
-            pieces = []
+            results: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
             q_at = kv_at = 0
             for bk, first, last in segments:
                 n = last - first
-                attn_mask = None
-                if bk.causal_offset >= 0:
-                    i = torch.arange(bk.q_len)[:, None]
-                    t = torch.arange(bk.kv_len)[None, :]
-                    attn_mask = t <= bk.causal_offset + i
-                o = F.scaled_dot_product_attention(
+                args = (
                     qs[q_at : q_at + n * bk.q_len].view(n, 1, bk.q_len, qr.dim),
                     ks[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, kr.dim),
                     vs[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, vr.dim),
-                    attn_mask=attn_mask,
-                    scale=scale,
                 )
-                pieces.append(o.view(-1, v_dim))
+                if bk.kind == "single":
+                    attn_mask = None
+                    if bk.causal_offset >= 0:
+                        i = torch.arange(bk.q_len)[:, None]
+                        t = torch.arange(bk.kv_len)[None, :]
+                        attn_mask = t <= bk.causal_offset + i
+                    o = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale)
+                    lse_o = None
+                else:
+                    o, lse_o = _WITH_LSE(*args, 0.0, False, scale=scale)
+                rows = bk.rows[first:last]
+                results.setdefault(bk.kind, []).append((rows, o.view(-1, v_dim), lse_o))
                 q_at += n * bk.q_len
                 kv_at += n * bk.kv_len
-            outr.scatter(op, pieces)
+            for kind, done in results.items():
+                rows = torch.cat([r for r, _, _ in done]) if len(done) > 1 else done[0][0]
+                length = 2 * block_size if kind == "pair" else block_size
+                if kind == "single":
+                    parts = [query_part(r, o.shape[0] // r.numel(), outr) for r, o, _ in done]
+                    outr.scatter(parts, [o for _, o, _ in done])
+                    continue
+                part = [query_part(rows, length, outr)]
+                found = torch.cat([x.reshape(-1, block_size) for _, _, x in done])
+                if kind == "pair":
+                    outr.scatter(part, [o for _, o, _ in done])
+                    both = torch.stack([rows, rows + 1], dim=1).reshape(-1)
+                    lse.index_copy_(0, both, found)
+                    continue
+                # Private items: o = (o_pair * w_pair + o_own * w_own) / (w_pair + w_own)
+                # with w = exp(lse - max): softmax over the union of both key sets.
+                mine = torch.cat([o for _, o, _ in done]).view(-1, block_size, v_dim).float()
+                theirs = outr.gather(part, torch.empty(mine.numel(), dtype=out.dtype))
+                theirs = theirs.view(-1, block_size, v_dim).float()  # may alias out (fp32)
+                their_lse = lse.index_select(0, rows)
+                top = torch.maximum(found, their_lse)
+                w_mine, w_theirs = (found - top).exp_(), (their_lse - top).exp_()
+                merged = mine.mul_(w_mine[..., None]).add_(theirs * w_theirs[..., None])
+                merged.div_((w_mine + w_theirs)[..., None])
+                outr.scatter(part, [merged.to(out.dtype).view(-1, v_dim)])
     return out
+
+
+def _groups(buckets: list[Bucket], per_chunk: int) -> list[list[tuple[Bucket, int, int]]]:
+    """Chunks of buckets ``(bucket, first, last)`` packed into groups whose gathered keys
+    (or queries) stay within ``per_chunk`` rows (a lone chunk may exceed it)."""
+    groups: list[list[tuple[Bucket, int, int]]] = []
+    used = per_chunk + 1
+    for bk in buckets:
+        width = max(bk.kv_len, bk.q_len)
+        step = max(1, per_chunk // width)
+        for first in range(0, bk.rows.numel(), step):
+            last = min(first + step, bk.rows.numel())
+            cost = (last - first) * width
+            if used + cost > per_chunk:
+                groups.append([])
+                used = 0
+            groups[-1].append((bk, first, last))
+            used += cost
+    return groups
 
 
 @gathered_block_sparse_attention.register_fake
