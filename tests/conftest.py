@@ -18,13 +18,16 @@ import pytest
 
 @pytest.fixture
 def on_npu() -> Iterator[None]:
-    """CPU tensors take the ``npu`` paths (with a test double of ``attentions`` installed
-    by the test); backend probes, failures and warnings are forgotten before and after."""
+    """CPU tensors take the ``npu`` paths. No NPU package is importable (``sgl_kernel_npu``,
+    ``attentions``, ``torch_npu``), whatever this machine has, until the test installs
+    doubles of them (tests/doubles); backend probes, failures and warnings are forgotten
+    before and after."""
     import ditops
     from ditops.custom_op import reset_state
+    from tests.doubles.npu_modules import hidden_npu_packages
 
     reset_state()
-    with ditops.force_device_kind({"cpu": "npu"}):
+    with hidden_npu_packages(), ditops.force_device_kind({"cpu": "npu"}):
         yield
     reset_state()
 

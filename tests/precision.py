@@ -64,3 +64,46 @@ def assert_fast(
     assert n_diff <= allowed, (
         f"{n_diff} of {dist.numel()} elements differ (allowed {max_fraction:.0e} of them + {slack})"
     )
+
+
+def pair_magnitude(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """fp32 ``hypot(t1, t2)`` of the rotated pair each element of ``t`` ([..., D]) is in;
+    pairs are ``(t[2i], t[2i+1])`` (``"interleaved"``) or ``(t[i], t[i + D/2])``."""
+    t = t.float()
+    if layout == "interleaved":
+        return torch.hypot(t[..., 0::2], t[..., 1::2]).repeat_interleave(2, -1)
+    h = t.shape[-1] // 2
+    m = torch.hypot(t[..., :h], t[..., h:])
+    return torch.cat([m, m], -1)
+
+
+def assert_fast_pairs(
+    out: torch.Tensor,
+    ref: torch.Tensor,
+    layout: str,
+    max_ulp: float = 2,
+    max_fraction: float = 1e-3,
+    slack: int = 3,
+) -> None:
+    """The contract of rotated outputs (``qk_norm_rope`` fast): every element within
+    ``max_ulp`` ulps of the output dtype taken at its pair's magnitude (a rotation near an
+    axis makes one member tiny, and eager's earlier rounding of the pair's inputs shows
+    there as many ulps of that member but not of the pair), and at most ``max_fraction``
+    of the elements beyond 1 such ulp. NaN and infinities where the reference has them."""
+    assert out.dtype == ref.dtype, (out.dtype, ref.dtype)
+    assert out.shape == ref.shape, (out.shape, ref.shape)
+    assert torch.equal(out.isnan(), ref.isnan()), "NaN positions differ"
+    inf = ref.isinf()
+    assert torch.equal(out[inf], ref[inf]), "infinities differ"
+    mag = pair_magnitude(ref, layout).to(ref.dtype)
+    ulp = (torch.nextafter(mag, torch.full_like(mag, float("inf"))) - mag).float()
+    check = torch.isfinite(ref) & torch.isfinite(mag)
+    err = torch.where(check, (out.float() - ref.float()).abs() / ulp, 0)
+    worst = float(err.max()) if err.numel() else 0.0
+    assert worst <= max_ulp, f"{worst:.2f} ulps of the pair's magnitude apart (allowed {max_ulp})"
+    n_over = int((err > 1).sum())
+    allowed = max_fraction * err.numel() + slack
+    assert n_over <= allowed, (
+        f"{n_over} of {err.numel()} elements beyond 1 ulp of their pair's magnitude "
+        f"(allowed {max_fraction:.0e} of them + {slack})"
+    )

@@ -45,10 +45,27 @@ def test_custom_ops_errors(text: str, fragment: str) -> None:
 
 
 def test_unknown_op_name_is_an_error_naming_the_registered_ones() -> None:
+    # Refused on entry (configure and override), so it never breaks a later call.
+    before = config.get()
+    for call in (
+        lambda: config.configure(custom_ops="+no_such_op"),
+        lambda: config.override(custom_ops="-no_such_op").__enter__(),
+    ):
+        with pytest.raises(ConfigError) as info:
+            call()
+        assert "no_such_op" in str(info.value) and "fp32_layer_norm" in str(info.value)
+        assert config.get() == before
     m = ditops.FP32LayerNorm(8)
-    with config.override(custom_ops="-no_such_op"), pytest.raises(ConfigError) as info:
-        m(torch.randn(2, 8))
-    assert "no_such_op" in str(info.value) and "fp32_layer_norm" in str(info.value)
+    with torch.no_grad():
+        assert m.explain_call(torch.randn(2, 8)).chosen == "forward_cpu"
+
+
+def test_unknown_op_name_from_the_environment_is_an_error_at_first_use() -> None:
+    m = ditops.FP32LayerNorm(8)
+    cfg = config.from_env({"DITOPS_CUSTOM_OPS": "-no_such_op"})
+    with pytest.raises(ConfigError, match="no_such_op"):
+        cfg.custom_ops.check_names(ditops.registered_ops())
+    assert m(torch.randn(2, 8)).shape == (2, 8)
 
 
 @pytest.mark.parametrize(

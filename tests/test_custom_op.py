@@ -58,6 +58,8 @@ class ToyScale(CustomOp):
 
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         self._mark("native")
+        if x.numel() == 7:
+            raise ValueError("the meaning refuses 7 elements")  # a caller's mistake
         return x * 2
 
     @fast_path(precisions=("exact", "fast"), dtypes=(torch.float32,), inference_only=True)
@@ -68,7 +70,7 @@ class ToyScale(CustomOp):
     @fast_path(backend=FAKE, precisions=("fast",))
     def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
         self._mark("cuda")
-        if FAKE.raise_at_run_time:
+        if FAKE.raise_at_run_time or x.numel() == 7:
             raise RuntimeError("kernel exploded")
         return x + x
 
@@ -236,6 +238,29 @@ def test_kernel_raising_in_strict_mode_raises_with_cause() -> None:
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_callers_error_is_raised_as_is_and_changes_nothing(
+    strict: bool, caplog: pytest.LogCaptureFixture, ditops_warnings
+) -> None:
+    # Regression: an error the meaning raises too (the caller's) used to give the fast
+    # path up for the whole process (and, in strict mode, came back as a misleading
+    # BackendUnavailableError).
+    op = ToyScale()
+    with (
+        torch.no_grad(),
+        force_device_kind({"cpu": "cuda"}),
+        config.override(strict=strict),
+        caplog.at_level(logging.WARNING),
+    ):
+        with pytest.raises(ValueError, match="refuses 7 elements") as info:
+            op(torch.ones(7))
+        assert info.value.__cause__ is None
+        assert torch.equal(op(torch.ones(2)), torch.full((2,), 2.0))
+    assert op.ran == ["cuda", "native", "cuda"]
+    assert ditops_warnings() == []
+    assert explain("toy_scale", ["cuda"])[0].chosen == "forward_cuda"
+
+
 def test_explain_all_ops_and_bad_arguments() -> None:
     decisions = ditops.explain()
     names = {d.op for d in decisions}
@@ -265,6 +290,52 @@ def test_threads_dispatch_concurrently() -> None:
     for t in threads:
         t.join()
     assert not errors and op.ran.count("cpu") == 200
+
+
+def test_overrides_are_per_thread() -> None:
+    # Regression: override() restored a process-wide snapshot, so two threads'
+    # interleaved blocks left the wrong setting in force after both had exited.
+    before = config.get()
+    inside = threading.Barrier(2)
+    outside = threading.Barrier(2)
+    seen: dict[str, list[str]] = {"exact": [], "fast": []}
+    errors: list[BaseException] = []
+
+    def work(precision: str, first_out: bool) -> None:
+        try:
+            with config.override(precision=precision, strict=True):
+                inside.wait(timeout=10)
+                seen[precision].append(config.get().precision)
+                if not first_out:
+                    outside.wait(timeout=10)  # the other thread leaves its block first
+            if first_out:
+                outside.wait(timeout=10)
+            seen[precision].append(config.get().precision)
+        except BaseException as exc:  # noqa: BLE001 - surfaced in the main thread
+            errors.append(exc)
+
+    threads = [
+        threading.Thread(target=work, args=("exact", True)),
+        threading.Thread(target=work, args=("fast", False)),
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    assert seen["exact"] == ["exact", before.precision]
+    assert seen["fast"] == ["fast", before.precision]
+    assert config.get() == before
+
+
+def test_force_device_kind_is_per_thread() -> None:
+    seen: list[str] = []
+    with force_device_kind({"cpu": "cuda"}):
+        t = threading.Thread(target=lambda: seen.append(ditops.device_kind(torch.ones(1))))
+        t.start()
+        t.join()
+        seen.append(ditops.device_kind(torch.ones(1)))
+    assert seen == ["cpu", "cuda"]
 
 
 def test_plan_cache_does_not_grow_with_repeated_overrides() -> None:

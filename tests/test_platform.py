@@ -59,7 +59,8 @@ def test_visible_devices_here() -> None:
 def test_import_ditops_imports_no_optional_package() -> None:
     code = (
         "import sys, ditops\n"
-        "bad = [m for m in ('triton', 'diffusers', 'torch_npu', 'attentions', 'matplotlib')"
+        "bad = [m for m in ('triton', 'diffusers', 'torch_npu', 'attentions', 'sgl_kernel_npu',"
+        " 'matplotlib')"
         " if m in sys.modules]\n"
         "assert not bad, bad\n"
     )

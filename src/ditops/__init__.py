@@ -5,6 +5,7 @@ Public names only; see the README for usage and the precision contract.
 
 from __future__ import annotations
 
+from ditops._version import __version__ as __version__
 from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
@@ -22,20 +23,23 @@ from ditops.layers.modulation import (
     scale_residual_layer_norm_scale_shift,
 )
 from ditops.layers.norm import FP32LayerNorm
+from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
 from ditops.platform import device_kind, force_device_kind, visible_devices
-
-__version__ = "0.1.0"
 
 __all__ = [
     "BackendUnavailableError",
     "BlockSparseAttention",
     "BlockSparseConfig",
     "LayerNormScaleShift",
+    "RMSNorm",
     "ScaleResidualLayerNormScaleShift",
     "block_sparse_attention",
     "estimate_block_mask",
     "gated_residual",
     "layer_norm_scale_shift",
+    "qk_norm_rope",
+    "rms_norm",
+    "rotary_embedding",
     "scale_residual_layer_norm_scale_shift",
     "CustomOp",
     "FP32LayerNorm",

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 
 from ditops import config
+from ditops._version import __version__
 from ditops.custom_op import explain
 from ditops.platform import platform_summary
 
@@ -90,9 +92,11 @@ def _bench(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
+            from ditops.bench.wan import ModelLoadError
+
             try:
                 payload["wan"] = _bench_wan(args, device)
-            except FileNotFoundError as exc:  # --model PATH that is not a checkpoint
+            except ModelLoadError as exc:  # --model PATH that cannot be loaded
                 print(f"ditops bench: {exc}", file=sys.stderr)
                 return 2
             continue
@@ -118,6 +122,11 @@ def _bench(args: argparse.Namespace) -> int:
 
             payload["attention_summary"] = attention.summary(payload["rows"])
             attention.print_summary(payload["attention_summary"])
+        if "qk_norm_rope" in names:
+            from ditops.bench import qk_norm_rope
+
+            payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
+            qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
@@ -146,6 +155,7 @@ def _default_device() -> torch.device:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ditops", description=__doc__.split("\n")[0])
+    parser.add_argument("--version", action="version", version=f"ditops {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="explain which path every op takes on every device kind")
     info.add_argument("--json", action="store_true", help="machine-readable output")
@@ -192,9 +202,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.command == "info":
-        return _info(args)
-    return _bench(args)
+    try:
+        code = _info(args) if args.command == "info" else _bench(args)
+        sys.stdout.flush()  # a closed pipe shows here, inside the try
+        return code
+    except config.ConfigError as exc:  # a bad DITOPS_* value: one line, not a traceback
+        print(f"ditops: {exc}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:
+        # `ditops info | head`: the reader left. Point stdout at devnull so the
+        # interpreter's final flush does not raise again, and exit quietly.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":  # pragma: no cover

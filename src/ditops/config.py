@@ -13,10 +13,15 @@
 =====================  ===================================================================
 
 The environment is read once, on first use; :func:`reload` reads it again.
-:func:`configure` changes the process-wide settings from code, and :func:`override` is
-a context manager that changes them for a block (tests use it). Both are process-wide:
-every thread sees them. To give one model its own precision, set ``module.precision``
-(or ``ditops.patch(..., precision=...)``) instead.
+:func:`configure` changes the **process-wide** settings from code (every thread sees them).
+:func:`override` is a context manager that changes them **for the calling thread only**,
+inside a ``with`` block; blocks nest, and two threads' blocks never see or undo each
+other's settings. (Thread-local rather than a ``contextvars`` variable: torch.compile can
+trace a thread-local read and guard on it, and cannot trace ``ContextVar.get``; asyncio
+tasks that share a thread therefore share an override.) To give one model its own
+precision, set ``module.precision`` (or ``ditops.patch(..., precision=...)``) instead.
+
+Reading the settings takes no lock, so a compiled graph can read them.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
+
+from ditops.tracing import trace_time_constant
 
 Precision = Literal["fast", "exact"]
 PRECISIONS: tuple[str, ...] = ("fast", "exact")
@@ -137,31 +144,67 @@ def from_env(environ: dict[str, str] | None = None) -> Config:
     )
 
 
-_lock = threading.Lock()
-_current: Config | None = None
+_lock = threading.Lock()  # serialises writers only; readers take no lock
+_process: Config | None = None
 _counter = 0
+_local = threading.local()  # .override: the calling thread's Config from override()
 
 
 def _install(cfg: Config) -> Config:
-    global _current, _counter
+    global _process, _counter
     _counter += 1
-    _current = replace(cfg, version=_counter)
-    return _current
+    _process = replace(cfg, version=_counter)
+    return _process
+
+
+def _stamped(cfg: Config) -> Config:
+    global _counter
+    with _lock:
+        _counter += 1
+        return replace(cfg, version=_counter)
+
+
+def process_config() -> Config:
+    """The process-wide settings (reads the environment on first use)."""
+    cfg = _process
+    if cfg is None:
+        with _lock:
+            cfg = _process if _process is not None else _install(from_env())
+    return cfg
 
 
 def get() -> Config:
-    """The settings in force (reads the environment on first use)."""
-    cfg = _current
-    if cfg is None:
-        with _lock:
-            cfg = _current if _current is not None else _install(from_env())
-    return cfg
+    """The settings in force for the calling thread: its :func:`override`, else the
+    process-wide ones (reading the environment on first use)."""
+    cfg = getattr(_local, "override", None)
+    if cfg is not None:
+        return cfg
+    cfg = _process
+    return cfg if cfg is not None else process_config()
+
+
+@trace_time_constant
+def ensure_loaded() -> int:
+    """Read the environment now if it has not been read (returns the settings' version).
+
+    Called first when a compiled graph is traced: it runs as plain Python, so the lock
+    and the environment are never traced, and :func:`get` then only reads attributes.
+    """
+    return process_config().version
 
 
 def reload() -> Config:
     """Read the environment again, dropping settings made with :func:`configure`."""
+    cfg = from_env()
     with _lock:
-        return _install(from_env())
+        return _install(cfg)
+
+
+def _check_op_names(selection: OpsSelection) -> None:
+    # Late import: custom_op imports this module. `import ditops` registers every op.
+    from ditops.custom_op import registered_ops
+
+    selection.check_names(registered_ops())
 
 
 def _updated(
@@ -172,12 +215,20 @@ def _updated(
 ) -> Config:
     cfg = base
     if custom_ops is not None:
-        cfg = replace(cfg, custom_ops=parse_custom_ops(custom_ops))
+        if not isinstance(custom_ops, str):
+            raise ConfigError(
+                f"custom_ops must be a string in DITOPS_CUSTOM_OPS syntax, got {custom_ops!r}"
+            )
+        selection = parse_custom_ops(custom_ops)
+        _check_op_names(selection)
+        cfg = replace(cfg, custom_ops=selection)
     if strict is not None:
         if not isinstance(strict, bool):
             raise ConfigError(f"strict must be a bool, got {strict!r}")
         cfg = replace(cfg, strict=strict)
     if precision is not None:
+        if not isinstance(precision, str):
+            raise ConfigError(f"precision must be 'fast' or 'exact', got {precision!r}")
         cfg = replace(cfg, precision=parse_precision(precision))
     return cfg
 
@@ -187,9 +238,12 @@ def configure(
 ) -> Config:
     """Change the process-wide settings from code; ``None`` leaves a setting as it is.
 
-    ``custom_ops`` takes the ``DITOPS_CUSTOM_OPS`` syntax.
+    ``custom_ops`` takes the ``DITOPS_CUSTOM_OPS`` syntax; names must be registered ops.
+    Validated before anything changes: a bad value raises :class:`ConfigError` and leaves
+    the settings as they were. A thread inside an :func:`override` block keeps its
+    override until the block ends.
     """
-    new = _updated(get(), custom_ops, strict, precision)
+    new = _updated(process_config(), custom_ops, strict, precision)
     with _lock:
         return _install(new)
 
@@ -198,13 +252,16 @@ def configure(
 def override(
     *, custom_ops: str | None = None, strict: bool | None = None, precision: str | None = None
 ) -> Iterator[Config]:
-    """Change the settings inside a ``with`` block, restoring the previous ones after it."""
-    saved = get()
-    new = _updated(saved, custom_ops, strict, precision)
-    with _lock:
-        cfg = _install(new)
+    """Change the settings for the calling thread inside a ``with`` block.
+
+    Other threads keep theirs; on exit the thread's previous settings (an enclosing
+    override, or the process-wide ones) are in force again, whatever other threads did
+    meanwhile. Validated on entry, like :func:`configure`.
+    """
+    saved = getattr(_local, "override", None)
+    new = _stamped(_updated(get(), custom_ops, strict, precision))
+    _local.override = new
     try:
-        yield cfg
+        yield new
     finally:
-        with _lock:
-            _install(saved)
+        _local.override = saved

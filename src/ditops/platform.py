@@ -27,8 +27,8 @@ logger = logging.getLogger("ditops")
 #: The device kinds ops may define a ``forward_<kind>`` for.
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "hip", "npu", "xpu", "mps")
 
-_override_lock = threading.Lock()
-_overrides: dict[str, str] = {}
+# The calling thread's force_device_kind mapping (.mapping), never shared between threads.
+_local = threading.local()
 
 
 def _raw_kind(device_type: str) -> str:
@@ -56,8 +56,9 @@ def device_kind(obj: torch.Tensor | torch.device | str) -> str:
             f"device_kind expects a tensor, torch.device or str, got {type(obj).__name__}"
         )
     kind = _raw_kind(dev_type)
-    if _overrides:
-        return _overrides.get(kind, kind)
+    forced = getattr(_local, "mapping", None)
+    if forced:
+        return forced.get(kind, kind)
     return kind
 
 
@@ -68,7 +69,8 @@ def force_device_kind(mapping: Mapping[str, str]) -> Iterator[None]:
     ``force_device_kind({"cpu": "npu"})`` makes CPU tensors take the NPU paths: the
     way tests run ``forward_npu`` against a test double of the NPU operators, and
     ``forward_cuda`` under ``TRITON_INTERPRET=1``. Never active unless asked for.
-    The mapping is process-wide (dispatch reads it from every thread).
+    The mapping holds for the calling thread only, like :func:`ditops.override`; blocks
+    nest, and the previous mapping is restored on exit.
     """
     for src, dst in mapping.items():
         if dst not in DEVICE_KINDS or src not in DEVICE_KINDS:
@@ -76,20 +78,17 @@ def force_device_kind(mapping: Mapping[str, str]) -> Iterator[None]:
                 f"force_device_kind: unknown device kind in {src!r} -> {dst!r}; "
                 f"known kinds are {', '.join(DEVICE_KINDS)}"
             )
-    with _override_lock:
-        saved = dict(_overrides)
-        _overrides.update(mapping)
+    saved = getattr(_local, "mapping", None)
+    _local.mapping = {**(saved or {}), **mapping}
     try:
         yield
     finally:
-        with _override_lock:
-            _overrides.clear()
-            _overrides.update(saved)
+        _local.mapping = saved
 
 
 def forced_device_kinds() -> dict[str, str]:
-    """The mapping installed by :func:`force_device_kind`, if any (for explanations)."""
-    return dict(_overrides)
+    """The calling thread's :func:`force_device_kind` mapping, if any (for explanations)."""
+    return dict(getattr(_local, "mapping", None) or {})
 
 
 @functools.lru_cache(maxsize=1)

@@ -115,3 +115,97 @@ def test_bench_wan_model_path_must_exist(tmp_path, capsys: pytest.CaptureFixture
     missing = tmp_path / "no-such-checkpoint"
     assert cli.main(["bench", "wan", "--model", str(missing), "--no-progress"]) == 2
     assert "is not a directory holding a diffusers checkpoint" in capsys.readouterr().err
+
+
+def test_bench_wan_model_folder_without_config(tmp_path, capsys) -> None:
+    assert cli.main(["bench", "wan", "--model", str(tmp_path), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "has no config.json" in err and "Traceback" not in err
+
+
+def test_bench_wan_model_needing_accelerate_says_so(
+    tmp_path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    import importlib.util
+
+    (tmp_path / "config.json").write_text("{}")
+    real = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "accelerate" else real(name)
+    )
+    assert cli.main(["bench", "wan", "--model", str(tmp_path), "--no-progress"]) == 2
+    assert "needs accelerate: pip install accelerate" in capsys.readouterr().err
+
+
+def test_bench_wan_loads_a_saved_checkpoint_keeping_fp32_modules(tmp_path) -> None:
+    from diffusers import WanTransformer3DModel
+
+    from tests.integrations.test_diffusers_wan import TINY
+
+    WanTransformer3DModel(**TINY).save_pretrained(tmp_path)
+    model = wan.build_model(str(tmp_path), torch.device("cpu"), torch.bfloat16)
+    built = wan.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+    dtypes = {n: p.dtype for n, p in model.state_dict().items()}
+    assert dtypes == {n: p.dtype for n, p in built.state_dict().items()}
+    assert dtypes["blocks.0.scale_shift_table"] == torch.float32
+    assert dtypes["blocks.0.ffn.net.0.proj.weight"] == torch.bfloat16
+
+
+def test_default_model_is_built_without_diffusers_fp32_warning(caplog) -> None:
+    import logging
+
+    from tests.integrations.test_diffusers_wan import TINY
+
+    with caplog.at_level(logging.WARNING):
+        from diffusers import WanTransformer3DModel
+
+        wan.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+    assert not any("kept in float32" in r.getMessage() for r in caplog.records)
+
+
+@pytest.mark.parametrize(
+    ("env", "fragment"),
+    [
+        ({"DITOPS_PRECISION": "quick"}, "expected 'fast' or 'exact'"),
+        ({"DITOPS_CUSTOM_OPS": "+nope"}, "names unknown op(s) nope"),
+        ({"DITOPS_STRICT": "maybe"}, "is not a boolean"),
+    ],
+)
+def test_info_with_a_bad_environment_prints_one_line(env: dict, fragment: str) -> None:
+    import os
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [sys.executable, "-m", "ditops", "info"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert fragment in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_info_into_a_closed_pipe_is_quiet() -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "ditops", "info"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    proc.stdout.close()  # the reader leaves before the first line (like `| head -0`)
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=120)
+    assert "BrokenPipeError" not in err and "Traceback" not in err
+
+
+def test_version(capsys) -> None:
+    import ditops
+
+    with pytest.raises(SystemExit) as info:
+        cli.main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"ditops {ditops.__version__}"

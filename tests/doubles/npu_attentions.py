@@ -1,4 +1,4 @@
-"""A test double of the Ascend ``attentions`` package (sgl-kernel-npu), for machines without an NPU.
+"""A test double of sgl-kernel-npu's legacy ``attentions`` package, for machines without an NPU.
 
 The real package registers operators under ``torch.ops.attentions.*`` for the NPU device
 only. This double registers the same schemas (``shared/docs/npu-attentions-ops.md``) in a
@@ -6,7 +6,9 @@ only. This double registers the same schemas (``shared/docs/npu-attentions-ops.m
 puts a module named ``attentions`` in ``sys.modules`` so that ``import attentions``
 succeeds. The kernels also check the documented argument contract (dtypes, impl_mode),
 so a call that the real operator would reject fails here too, and every call is recorded
-for tests to inspect.
+for tests to inspect. :func:`register_fake_ops` is shared with the double of the current
+package (:mod:`tests.doubles.npu_sgl_kernel`), which registers the same kernels under
+``torch.ops.npu``.
 
 Use with ``ditops.force_device_kind({"cpu": "npu"})`` so CPU tensors take ``forward_npu``.
 It also models the ways the real package can be unusable: not installed
@@ -17,7 +19,6 @@ raises at call time (``raising=``).
 from __future__ import annotations
 
 import contextlib
-import sys
 import types
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -25,7 +26,7 @@ from typing import Any
 
 import torch
 
-import ditops.custom_op
+from tests.doubles.npu_modules import swapped_modules
 
 _FLOATS = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -91,6 +92,33 @@ def _layernorm(
     return out.to(x.dtype), mean, rstd
 
 
+def register_fake_ops(
+    namespace: str,
+    names: Iterable[str],
+    recorder: Recorder,
+    raising: Iterable[str] = (),
+    check: Callable[[str, tuple[Any, ...]], None] | None = None,
+    extra_schemas: dict[str, str] | None = None,
+) -> torch.library.Library:
+    """Register fake kernels of :data:`FAKE_OPS` under ``torch.ops.<namespace>``.
+
+    ``check(name, args)`` runs before each kernel (a package's own argument contract);
+    ``extra_schemas`` defines more ops whose kernel raises. ``lib._destroy()`` removes
+    them all again.
+    """
+    failing = set(raising)
+    lib = torch.library.Library(namespace, "FRAGMENT")  # noqa: TOR901 - test double
+    for name in names:
+        schema, impl = FAKE_OPS[name]
+        lib.define(name + schema)
+        kernel = _recording(namespace, name, impl, recorder, name in failing, check)
+        lib.impl(name, kernel, "CPU")
+    for name, schema in (extra_schemas or {}).items():
+        lib.define(name + schema)
+        lib.impl(name, _recording(namespace, name, None, recorder, True, None), "CPU")
+    return lib
+
+
 @contextlib.contextmanager
 def fake_attentions(
     ops: Iterable[str] | None = None,
@@ -107,60 +135,42 @@ def fake_attentions(
             have other names), as name -> schema; their kernel raises.
     """
     names = list(FAKE_OPS) if ops is None else list(ops)
-    failing = set(raising)
     recorder = Recorder()
-    lib = torch.library.Library("attentions", "FRAGMENT")  # noqa: TOR901 - test double
-    for name in names:
-        schema, impl = FAKE_OPS[name]
-        lib.define(name + schema)
-        lib.impl(name, _recording(name, impl, recorder, name in failing), "CPU")
-    for name, schema in (extra_schemas or {}).items():
-        lib.define(name + schema)
-        lib.impl(name, _recording(name, impl=None, recorder=recorder, fail=True), "CPU")
+    lib = register_fake_ops("attentions", names, recorder, raising, None, extra_schemas)
     module = types.ModuleType("attentions")
-    module.__doc__ = "test double of sgl-kernel-npu's attentions package"
-    saved = sys.modules.get("attentions")
-    sys.modules["attentions"] = module
-    ditops.custom_op.reset_state()
+    module.__doc__ = "test double of sgl-kernel-npu's legacy attentions package"
     try:
-        yield recorder
+        with swapped_modules({"attentions": module}):
+            yield recorder
     finally:
-        _restore(saved)
         lib._destroy()
-        ditops.custom_op.reset_state()
 
 
 @contextlib.contextmanager
 def no_attentions() -> Iterator[None]:
     """Make ``import attentions`` fail with ImportError for the block (not installed)."""
-    saved = sys.modules.get("attentions")
-    sys.modules["attentions"] = None  # type: ignore[assignment]  # import then raises ImportError
-    ditops.custom_op.reset_state()
-    try:
+    with swapped_modules({"attentions": None}):
         yield
-    finally:
-        _restore(saved)
-        ditops.custom_op.reset_state()
-
-
-def _restore(saved: types.ModuleType | None) -> None:
-    if saved is None:
-        sys.modules.pop("attentions", None)
-    else:
-        sys.modules["attentions"] = saved
 
 
 def _recording(
-    name: str, impl: Callable[..., Any] | None, recorder: Recorder, fail: bool
+    namespace: str,
+    name: str,
+    impl: Callable[..., Any] | None,
+    recorder: Recorder,
+    fail: bool,
+    check: Callable[[str, tuple[Any, ...]], None] | None,
 ) -> Callable[..., Any]:
     def kernel(*args: Any) -> Any:
         # The dispatcher drops trailing arguments equal to their schema defaults: put them
         # back, so kernels and recorded calls always see every argument.
-        schema = getattr(torch.ops.attentions, name).default._schema
+        schema = getattr(getattr(torch.ops, namespace), name).default._schema
         args = args + tuple(a.default_value for a in schema.arguments[len(args) :])
         recorder.calls.append((name, args))
         if fail or impl is None:
-            raise FakeKernelError(f"fake attentions.{name} failed at run time (test double)")
+            raise FakeKernelError(f"fake {namespace}.{name} failed at run time (test double)")
+        if check is not None:
+            check(name, args)
         return impl(*args)
 
     return kernel

@@ -1,15 +1,21 @@
-"""Fake CPU kernels for the sparse-attention operators of the ``attentions`` double.
+"""Fake CPU kernels for the sparse-attention operators of sgl-kernel-npu's doubles.
 
 Importing this module adds ``sparse_block_estimate``, ``ada_block_sparse_attention`` and
 its older name ``block_sparse_attention`` to :data:`tests.doubles.npu_attentions.FAKE_OPS`,
-with the real schemas, so :func:`tests.doubles.npu_attentions.fake_attentions` registers
-them. The kernels are written from ``shared/docs/npu-attentions-ops.md`` without ditops'
-code (straightforward per-head loops, the queries reversed as the NPU does), so a test
-comparing ``forward_npu`` with ``forward_native`` checks the arguments ditops passes *and*
-its vectorised reference. They check the argument contract the real operators enforce.
+with the real schemas, so :func:`tests.doubles.npu_attentions.fake_attentions` (legacy
+package) and :func:`tests.doubles.npu_sgl_kernel.fake_sgl_kernel_npu` (current package)
+register them. The kernels are written from ``shared/docs/npu-attentions-ops.md`` without
+ditops' code (straightforward per-head loops, the queries reversed as the NPU does), so a
+test comparing ``forward_npu`` with ``forward_native`` checks the arguments ditops passes
+*and* its vectorised reference. They check the argument contract common to both packages
+(dtypes, layouts, positive dims, and the attention kernel's tiling limits: head dim
+<= 512, at most 256 query heads); the current package's extra checks are in
+:mod:`tests.doubles.npu_sgl_kernel`.
 
 Estimation runs in fp32 from the inputs (no half-precision block sums): tests use inputs
-whose scores are exact in every dtype, so no near-tie can differ.
+whose scores are exact in every dtype, so no near-tie can differ. Attention in fp16 with
+``inner_precise`` bit 0 set (high performance) holds the scores and the softmax in fp16,
+as the kernel's tiling does for that mode; every other case computes in fp32.
 """
 
 from __future__ import annotations
@@ -48,6 +54,8 @@ def _check_common(op: str, layout: str, heads: int, kv_heads: int, q, k) -> None
         )
     if heads % kv_heads:
         raise RuntimeError(f"attentions.{op}: num_heads must be a multiple of kv heads")
+    if any(d <= 0 for t in (q, k) for d in t.shape):
+        raise RuntimeError(f"attentions.{op}: dims must be positive, got {list(q.shape)}")
 
 
 @fake_op(
@@ -162,6 +170,11 @@ def _ada_block_sparse_attention(
     q = _bnsd(query, input_layout, num_heads).float()
     k = _bnsd(key, input_layout, num_key_value_heads).float()
     v = _bnsd(value, input_layout, num_key_value_heads).float()
+    if num_heads > 256 or q.shape[3] > 512:
+        raise RuntimeError(f"attentions.{op}: numHeads <= 256 and D <= 512, got {list(q.shape)}")
+    if v.shape[3] != q.shape[3]:
+        raise RuntimeError(f"attentions.{op}: value head dim {v.shape[3]} != query's {q.shape[3]}")
+    fp16_scores = query.dtype == torch.float16 and inner_precise & 1
     batch, heads, seq, _ = q.shape
     kv_len = k.shape[2]
     group = heads // num_key_value_heads
@@ -185,9 +198,15 @@ def _ada_block_sparse_attention(
                     allowed[rows, j * sparse_size : (j + 1) * sparse_size] = True
             if causal:
                 allowed &= (pos_k <= pos_q + next_tokens) & (pos_k >= pos_q - pre_tokens)
-            s = (q[b, n] @ k[b, n // group].T) * scale_value
+            s = q[b, n] @ k[b, n // group].T
+            if fp16_scores:  # high performance: the first matmul's output and softmax in fp16
+                s = (s.half() * torch.tensor(scale_value).half()).float()
+            else:
+                s = s * scale_value
             s = s.masked_fill(~allowed, float("-inf"))
             p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+            if fp16_scores:
+                p = p.half().float()
             out[b, n] = p @ v[b, n // group]
     if input_layout == "BNSD":
         return out.to(query.dtype)

@@ -15,7 +15,9 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.bench.wan import cast_like_from_pretrained
 from ditops.integrations import PatchError, set_step
+from ditops.integrations.base import ModuleSwap
 from ditops.layers.norm import FP32LayerNorm
 
 diffusers = pytest.importorskip(
@@ -47,17 +49,8 @@ def tiny_wan(keep_fp32: bool, **overrides: object) -> WanTransformer3DModel:
     model = WanTransformer3DModel(**{**TINY, **overrides}).eval()
     if keep_fp32:
         # What from_pretrained(torch_dtype=bf16) does: _keep_in_fp32_modules stay fp32.
-        keep = model._keep_in_fp32_modules
-        for name, module in model.named_modules():
-            if not any(k in name.split(".") for k in keep):
-                for p in module.parameters(recurse=False):
-                    p.data = p.data.to(torch.bfloat16)
-        for name, p in model.named_parameters():
-            if "scale_shift_table" in name:
-                p.data = p.data.float()
-    else:
-        model = model.to(torch.bfloat16)
-    return model
+        return cast_like_from_pretrained(model, torch.bfloat16)
+    return model.to(torch.bfloat16)
 
 
 def inputs(frames: int = 2, hw: int = 8, per_token: bool = False) -> dict[str, torch.Tensor]:
@@ -180,7 +173,8 @@ def test_patch_twice_is_harmless_and_other_options_repatch() -> None:
     again = ditops.patch(model, precision="exact")
     assert first.models == again.models
     assert isinstance(model.blocks[0].norm1, FP32LayerNorm)
-    assert len(model._ditops_patch.modules) == first.models["WanTransformer3DModel"]["norms"]
+    swaps = [c for c in model._ditops_patch.changes if isinstance(c, ModuleSwap)]
+    assert len(swaps) == first.models["WanTransformer3DModel"]["norms"]
     ditops.patch(model, precision="fast")
     assert model.blocks[0].norm1.precision == "fast"
     ditops.unpatch(model)

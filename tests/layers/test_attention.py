@@ -6,8 +6,10 @@ path, which runs FlexAttention on CPU tensors under ``force_device_kind({"cpu":
 "cuda"})``. FlexAttention compiles once per shape (~15 s on 2 cores), so the cuda tests
 share two compiled shapes: ``SHAPE_A`` (fp32, GQA 4/2, 1000 tokens, not causal: the
 video path, with the element mask skipped) and ``SHAPE_B`` (bf16, GQA 2/1, 4097 tokens,
-causal). The NPU paths run against the test double in
-tests/doubles/npu_sparse_attention.py.
+causal). The NPU paths run against the kernels of
+tests/doubles/npu_sparse_attention.py, registered by the doubles of the legacy
+``attentions`` package and of the current ``sgl_kernel_npu`` (each with its own argument
+checks), alone or together.
 """
 
 from __future__ import annotations
@@ -27,13 +29,25 @@ from ditops.attention.estimate import estimate_block_mask_reference
 from ditops.custom_op import BackendUnavailableError
 from ditops.layers.attention import (
     ATTENTION_TOLERANCE,
+    NPU_FP16_LOGIT_ATOL,
     BlockSparseAttention,
     block_sparse_attention,
     dense_attention,
     estimate_block_mask,
 )
 from tests.attention.helpers import random_mask
-from tests.doubles.npu_attentions import fake_attentions, no_attentions
+from tests.doubles.npu_attentions import Recorder, fake_attentions, no_attentions
+from tests.doubles.npu_sgl_kernel import (
+    fake_sgl_kernel_npu,
+    no_sgl_kernel_npu,
+    sgl_kernel_npu_without_torch_npu,
+)
+
+
+def npu_package(package: str) -> contextlib.AbstractContextManager[Recorder]:
+    """The double of the legacy ``attentions`` package or of the current ``sgl_kernel_npu``."""
+    return fake_attentions() if package == "legacy" else fake_sgl_kernel_npu()
+
 
 SHAPE_A = {"heads": 4, "kv_heads": 2, "seq": 1000, "dim": 64, "dtype": torch.float32}
 SHAPE_B = {"heads": 2, "kv_heads": 1, "seq": 4097, "dim": 32, "dtype": torch.bfloat16}
@@ -90,6 +104,61 @@ def test_cpu_and_cuda_paths_match_native(
     assert out_bsnd.is_contiguous()
     assert_attention_close(out_bsnd.transpose(1, 2), want, v)
     assert not ditops_warnings()
+
+
+def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str):
+    q, k, v = q.clone(), k.clone(), v.clone()
+    if where == "nan_q_row":
+        q[0, 1, 300] = float("nan")  # one query row
+    elif where == "inf_k":
+        k[0, 1, 700, 3] = float("inf")
+    elif where == "nan_v":
+        v[0, 0, 5, 0] = float("nan")
+    return q, k, v
+
+
+def assert_same_non_finite(out: torch.Tensor, want: torch.Tensor, v: torch.Tensor) -> None:
+    """NaN/inf exactly where the meaning has them; the rest within the fast tolerance
+    (a compiled graph runs the meaning through inductor, not bit for bit)."""
+    assert torch.equal(out.isnan(), want.isnan()) and torch.equal(out.isinf(), want.isinf())
+    finite = want.isfinite()
+    assert bool(finite.any())
+    scale_v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    assert_attention_close(out.masked_fill(~finite, 0), want.masked_fill(~finite, 0), scale_v)
+
+
+@pytest.mark.parametrize("where", ["nan_q_row", "inf_k", "nan_v"])
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_nan_and_inf_propagate_as_in_the_meaning(kind: str, where: str) -> None:
+    # Regression: FlexAttention turned a NaN query row into zeros (the meaning and dense
+    # SDPA give NaN) and ignored an inf key.
+    q, k, v = _poison(*qkv(**SHAPE_A), where)
+    mask, counts = random_mask(1, 4, 8, 8, seed=1, density=1.0)
+    want = native_attention(q, k, v, mask, counts)
+    assert bool(want.isnan().any())
+    forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
+    with forced, torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+    assert decision.chosen == "forward_native"
+    assert any("NaN or inf" in r for r in decision.candidates[0].reasons)
+    assert_same_non_finite(out, want, v)
+
+
+def test_nan_propagates_inside_a_compiled_graph() -> None:
+    q, k, v = _poison(*qkv(**SHAPE_A), "nan_q_row")
+    mask, counts = random_mask(1, 4, 8, 8, seed=1)
+
+    @torch.compile(fullgraph=True)
+    def attend(q, k, v, mask, counts):
+        return block_sparse_attention(q, k, v, mask, counts)
+
+    with torch.no_grad():
+        poisoned = attend(q, k, v, mask, counts)
+        clean_q = torch.nan_to_num(q)
+        clean = attend(clean_q, k, v, mask, counts)
+    assert_same_non_finite(poisoned, native_attention(q, k, v, mask, counts), v)
+    assert_attention_close(clean, native_attention(clean_q, k, v, mask, counts), v)
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
@@ -160,36 +229,17 @@ def test_npu_attention_prefers_the_new_name(on_npu) -> None:
     assert calls.of("block_sparse_attention") == []
 
 
-def test_npu_attention_fp32_runs_native(on_npu) -> None:
+@pytest.mark.parametrize("package", ["legacy", "current"])
+def test_npu_attention_fp32_runs_native(on_npu, package: str, ditops_warnings) -> None:
     q, k, v = qkv(2, 2, 200, 32, torch.float32)
     mask, counts = random_mask(1, 2, 2, 2)
-    with fake_attentions() as calls, torch.no_grad():
+    with npu_package(package) as calls, torch.no_grad():
+        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
         out = block_sparse_attention(q, k, v, mask, counts)
-    assert calls.calls == []
+    assert decision.chosen == "forward_native"
+    assert "dtype float32 not supported" in decision.candidates[0].reasons
+    assert calls.calls == [] and not ditops_warnings()
     assert torch.equal(out, native_attention(q, k, v, mask, counts))
-
-
-@pytest.mark.parametrize("case", ["not_installed", "op_missing", "raises"])
-def test_npu_attention_fallbacks_warn_once(on_npu, case: str, caplog, ditops_warnings) -> None:
-    q, k, v = qkv(2, 2, 200, 32, torch.bfloat16)
-    mask, counts = random_mask(1, 2, 2, 2)
-    setups = {
-        "not_installed": no_attentions,
-        "op_missing": lambda: fake_attentions(ops=["layernorm", "sparse_block_estimate"]),
-        "raises": lambda: fake_attentions(raising={"ada_block_sparse_attention"}),
-    }
-    expected = {
-        "not_installed": "'attentions' package is not installed",
-        "op_missing": "registers no torch.ops.attentions.ada_block_sparse_attention or "
-        "torch.ops.attentions.block_sparse_attention",
-        "raises": "fake attentions.ada_block_sparse_attention failed at run time",
-    }[case]
-    want = native_attention(q, k, v, mask, counts)
-    with setups[case](), torch.no_grad(), caplog.at_level(logging.WARNING):
-        for _ in range(3):
-            assert torch.equal(block_sparse_attention(q, k, v, mask, counts), want)
-    warnings = ditops_warnings()
-    assert len(warnings) == 1 and expected in warnings[0], warnings
 
 
 def test_npu_attention_strict_mode_raises(on_npu) -> None:
@@ -198,6 +248,198 @@ def test_npu_attention_strict_mode_raises(on_npu) -> None:
     with no_attentions(), torch.no_grad(), config.override(strict=True):
         with pytest.raises(BackendUnavailableError, match="attentions"):
             block_sparse_attention(q, k, v, mask, counts)
+
+
+# --- npu: the current sgl_kernel_npu (torch.ops.npu), and how the two packages combine -----
+
+
+def attention_call(calls: Recorder) -> dict:
+    """The one recorded ada_block_sparse_attention call, by argument name."""
+    (args,) = calls.of("ada_block_sparse_attention")
+    names = (
+        "query key value sparse_mask sparse_count_table input_layout sparse_size num_heads "
+        "num_key_value_heads scale_value causal inner_precise pre_tokens next_tokens "
+        "actual_seq_lengths actual_seq_lengths_kv"
+    ).split()
+    return dict(zip(names, args))
+
+
+def npu_attention_takes() -> str:
+    (candidate,) = ditops.explain("block_sparse_attention", ["npu"])[0].candidates
+    return candidate.accepts
+
+
+@pytest.mark.parametrize(("layout", "wrappers"), [("BNSD", True), ("BSND", True), ("BNSD", False)])
+def test_npu_current_package_attention_matches_native(
+    on_npu, layout: str, wrappers: bool, ditops_warnings
+) -> None:
+    q, k, v = qkv(4, 2, 300, 32, torch.bfloat16)
+    mask, counts = random_mask(1, 4, 3, 3, seed=4)
+    args = (q, k, v) if layout == "BNSD" else tuple(bsnd(q, k, v))
+    with fake_sgl_kernel_npu(wrappers=wrappers) as calls, torch.no_grad():
+        out = block_sparse_attention(*args, mask.bool(), counts, layout=layout, causal=True)
+        takes = npu_attention_takes()
+    assert_attention_close(
+        out, native_attention(*args, mask, counts, layout=layout, causal=True), v
+    )
+    assert not ditops_warnings()
+    call = attention_call(calls)
+    assert call["sparse_mask"].dtype == torch.int8 and torch.equal(
+        call["sparse_count_table"], counts
+    )
+    assert (call["input_layout"], call["sparse_size"], call["num_heads"]) == (layout, 128, 4)
+    assert (call["num_key_value_heads"], call["causal"], call["inner_precise"]) == (2, True, 0)
+    via = (
+        "sgl_kernel_npu.attentions.ada_block_sparse_attention -> " if wrappers else ""
+    ) + "torch.ops.npu.ada_block_sparse_attention"
+    assert f"needs sgl_kernel_npu: {via}" in takes
+
+
+def peaky_fp16_attention(package: str):
+    """fp16 attention whose logits reach about 28 (close to one-hot in places) through
+    ``package``'s double: (q, v, output, native output, inner_precise passed)."""
+    q, k, v = qkv(2, 2, 256, 64, torch.float32, seed=7)
+    q, k, v = (q * 6).half(), k.half(), v.half()
+    mask, counts = random_mask(1, 2, 2, 2, density=1.0)
+    with npu_package(package) as calls, torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+    logits = (q.float() @ k.float().transpose(-1, -2)) * 64**-0.5
+    want = native_attention(q, k, v, mask, counts)
+    return logits, v, out, want, attention_call(calls)["inner_precise"]
+
+
+def test_npu_fp16_takes_the_high_performance_mode_on_the_current_package(on_npu) -> None:
+    # sgl_kernel_npu rejects fp16 with inner_precise 0 or 2: fp16 goes through 1, whose
+    # scores and softmax are held in fp16 (the double models it); the bound stated for
+    # it in the README covers the error.
+    logits, v, out, want, inner_precise = peaky_fp16_attention("current")
+    assert inner_precise == 1
+    atol, rtol = ATTENTION_TOLERANCE[torch.float16]
+    err = (out.float() - want.float()).abs()
+    vmax, ref = v.float().abs().max(), want.float().abs()
+    # The plain fp16 tolerance does not cover this mode (so the README states its own)...
+    assert not bool((err <= atol * vmax + rtol * ref).all())
+    # ...the stated one does.
+    atol += NPU_FP16_LOGIT_ATOL * float(logits.abs().max())
+    assert bool((err <= atol * vmax + rtol * ref).all())
+
+
+def test_npu_fp16_keeps_high_precision_on_the_legacy_package(on_npu) -> None:
+    _, v, out, want, inner_precise = peaky_fp16_attention("legacy")
+    assert inner_precise == 0
+    assert_attention_close(out, want, v)
+
+
+def test_npu_current_package_is_preferred_to_the_legacy_one(on_npu) -> None:
+    q, k, v = qkv(2, 2, 200, 32, torch.bfloat16)
+    mask, counts = random_mask(1, 2, 2, 2)
+    with fake_sgl_kernel_npu() as current, fake_attentions() as legacy, torch.no_grad():
+        block_sparse_attention(q, k, v, mask, counts)
+        estimate_block_mask(q, k)
+    assert len(current.of("ada_block_sparse_attention")) == 1
+    assert len(current.of("sparse_block_estimate")) == 1
+    assert legacy.calls == []
+
+
+def test_npu_soc_without_the_kernels_uses_the_legacy_package(on_npu, ditops_warnings) -> None:
+    # sgl_kernel_npu imports on an A5, but registers no attention kernels there.
+    q, k, v = qkv(2, 2, 200, 32, torch.bfloat16)
+    mask, counts = random_mask(1, 2, 2, 2)
+    with fake_sgl_kernel_npu(ops=[]) as current, fake_attentions() as legacy, torch.no_grad():
+        block_sparse_attention(q, k, v, mask, counts)
+        takes = npu_attention_takes()
+    assert current.calls == [] and len(legacy.of("ada_block_sparse_attention")) == 1
+    assert not ditops_warnings()
+    assert (
+        "needs attentions: torch.ops.attentions.ada_block_sparse_attention "
+        "(sgl_kernel_npu: no ada_block_sparse_attention)" in takes
+    )
+
+
+_FALLBACKS = {
+    ("legacy", "not_installed"): (no_attentions, "'attentions' package is not installed"),
+    ("legacy", "op_missing"): (
+        lambda: fake_attentions(ops=["layernorm", "sparse_block_estimate"]),
+        "registers no torch.ops.attentions.ada_block_sparse_attention or "
+        "torch.ops.attentions.block_sparse_attention",
+    ),
+    ("legacy", "raises"): (
+        lambda: fake_attentions(raising={"ada_block_sparse_attention"}),
+        "fake attentions.ada_block_sparse_attention failed at run time",
+    ),
+    ("current", "not_installed"): (no_sgl_kernel_npu, "sgl_kernel_npu is not installed"),
+    ("current", "no_torch_npu"): (
+        sgl_kernel_npu_without_torch_npu,
+        "sgl_kernel_npu failed to import (No module named 'torch_npu')",
+    ),
+    ("current", "op_missing"): (
+        lambda: fake_sgl_kernel_npu(ops=["sparse_block_estimate"]),
+        "sgl_kernel_npu is installed but registers no torch.ops.npu.ada_block_sparse_attention: "
+        "its attention kernels are built only for Ascend910B (A2) and Ascend910_93 (A3) SoCs",
+    ),
+    ("current", "raises"): (
+        lambda: fake_sgl_kernel_npu(raising={"ada_block_sparse_attention"}),
+        "fake npu.ada_block_sparse_attention failed at run time",
+    ),
+}
+
+
+@pytest.mark.parametrize(("package", "case"), sorted(_FALLBACKS))
+def test_npu_attention_fallbacks_warn_once(
+    on_npu, package: str, case: str, caplog, ditops_warnings
+) -> None:
+    # The other package is not installed throughout (conftest's on_npu).
+    setup, expected = _FALLBACKS[(package, case)]
+    q, k, v = qkv(2, 2, 200, 32, torch.bfloat16)
+    mask, counts = random_mask(1, 2, 2, 2)
+    want = native_attention(q, k, v, mask, counts)
+    with setup(), torch.no_grad(), caplog.at_level(logging.WARNING):
+        for _ in range(3):
+            assert torch.equal(block_sparse_attention(q, k, v, mask, counts), want)
+        reasons = ditops.explain("block_sparse_attention", ["npu"])[0].candidates[0].reasons
+    warnings = ditops_warnings()
+    assert len(warnings) == 1 and expected in warnings[0], warnings
+    assert any(expected in r for r in reasons), reasons
+    if case != "raises":  # neither package has it: both are named, the hint is the current one
+        other = "sgl_kernel_npu is not installed" if package == "legacy" else "the legacy"
+        assert other in warnings[0] and "install the sgl_kernel_npu wheel" in warnings[0]
+
+
+_INELIGIBLE = {
+    "block_size_64": ({"block_size": 64}, 2, 1, 32, 32, "block_size 64: the NPU kernels take"),
+    "block_size_640": ({"block_size": 640}, 2, 1, 32, 32, "in [128, 512]"),
+    "head_dim_576": ({}, 1, 1, 576, 576, "head dim 576: the NPU kernel takes at most 512"),
+    "heads_264": ({}, 264, 264, 8, 8, "264 query heads: the NPU kernel takes at most 256"),
+    "v_head_dim": ({}, 1, 1, 32, 16, "v's head dim 16 differs from q's 32"),
+}
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
+@pytest.mark.parametrize("case", sorted(_INELIGIBLE))
+def test_npu_attention_ineligible_calls_run_native(
+    on_npu, package: str, case: str, ditops_warnings
+) -> None:
+    kw, heads, kv_heads, dim, v_dim, reason = _INELIGIBLE[case]
+    block = kw.get("block_size", 128)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(1, heads, 130, dim, generator=gen).bfloat16()
+    k = torch.randn(1, kv_heads, 130, dim, generator=gen).bfloat16()
+    v = torch.randn(1, kv_heads, 130, v_dim, generator=gen).bfloat16()
+    blocks = -(-130 // block)
+    mask, counts = random_mask(1, heads, blocks, blocks)
+    with npu_package(package) as calls, torch.no_grad():
+        decision = block_sparse_attention.explain_call(
+            q, k, v, mask, counts, layout="BNSD", scale=None, causal=False, block_size=block
+        )
+        out = block_sparse_attention(q, k, v, mask, counts, **kw)
+        # an eligible call afterwards still takes the kernel: nothing was given up
+        q2, k2, v2 = qkv(1, 1, 200, 16, torch.bfloat16)
+        m2, c2 = random_mask(1, 1, 2, 2)
+        block_sparse_attention(q2, k2, v2, m2, c2)
+    assert decision.chosen == "forward_native"
+    assert any(reason in r for r in decision.candidates[0].reasons), decision
+    assert torch.equal(out, native_attention(q, k, v, mask, counts, **kw))
+    assert len(calls.of("ada_block_sparse_attention")) == 1 and not ditops_warnings()
 
 
 def integer_qk(heads: int, kv_heads: int, seq: int, dtype: torch.dtype = torch.bfloat16):
@@ -210,51 +452,83 @@ def integer_qk(heads: int, kv_heads: int, seq: int, dtype: torch.dtype = torch.b
     return q.to(dtype), k.to(dtype)
 
 
+ESTIMATE_KW = {
+    "block_size": 128, "stride": 16, "scale": 0.25, "threshold": 0.9, "keep_ratio": 0.3,
+    "keep_sink": True, "keep_recent": False, "dense_blocks": 2,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
 @pytest.mark.parametrize("layout", ["BNSD", "BSND"])
 @pytest.mark.parametrize("causal", [False, True])
-def test_npu_estimate_matches_native(on_npu, layout: str, causal: bool) -> None:
-    q, k = integer_qk(4, 2, 1000)
+def test_npu_estimate_matches_native(on_npu, package: str, layout: str, causal: bool) -> None:
+    q, k = integer_qk(4, 2, 1500)  # 12 blocks: the top-k cap applies (10 candidates or more)
     if layout == "BSND":
         q, k = bsnd(q, k)
-    kw = {
-        "layout": layout, "block_size": 32, "stride": 4, "scale": 0.25, "threshold": 0.9,
-        "keep_ratio": 0.3, "keep_sink": True, "keep_recent": False, "causal": causal,
-        "dense_blocks": 2,
-    }  # fmt: skip
-    with fake_attentions() as calls, torch.no_grad():
+    kw = {**ESTIMATE_KW, "layout": layout, "causal": causal}
+    with npu_package(package) as calls, torch.no_grad():
+        assert estimate_block_mask.explain_call(q, k, **kw).chosen == "forward_npu"
         mask, counts = estimate_block_mask(q, k, **kw)
     # The double computes in fp32 from the (exactly representable) bf16 inputs.
     want_mask, want_counts = estimate_block_mask_reference(q.float(), k.float(), **kw)
-    assert mask.shape == (1, 4, 32, 32) and mask.is_contiguous()
+    assert mask.shape == (1, 4, 12, 12) and mask.is_contiguous()
     assert torch.equal(mask, want_mask) and torch.equal(counts, want_counts)
     assert bool(mask[..., :2, :].all()) if not causal else bool(mask[..., :, :2].any())
     (call,) = calls.of("sparse_block_estimate")
     assert call[4:] == (
-        layout, 4, 32, 4, 2, pytest.approx(0.25 / 4), pytest.approx(0.9), causal, True, False,
+        layout, 16, 128, 4, 2, pytest.approx(0.25 / 16), pytest.approx(0.9), causal, True, False,
         pytest.approx(0.3),
     )  # fmt: skip
 
 
-def test_npu_estimate_cross_attention_runs_native(on_npu) -> None:
+@pytest.mark.parametrize("package", ["legacy", "current"])
+def test_npu_estimate_cross_attention_runs_native(on_npu, package: str) -> None:
     q, _ = integer_qk(2, 2, 512)
     _, k = integer_qk(2, 2, 256)
-    with fake_attentions() as calls, torch.no_grad():
+    with npu_package(package) as calls, torch.no_grad():
         decision = estimate_block_mask.explain_call(q, k, layout="BNSD")
-        mask, _ = estimate_block_mask(q, k, block_size=32, stride=4)
+        mask, _ = estimate_block_mask(q, k)
     assert decision.chosen == "forward_native"
-    assert "assumes self-attention" in decision.candidates[0].reasons[0]
-    assert calls.calls == [] and mask.shape == (1, 2, 16, 8)
+    assert "used for self-attention only" in decision.candidates[0].reasons[0]
+    assert calls.calls == [] and mask.shape == (1, 2, 4, 2)
 
 
 def test_npu_estimate_missing_op_falls_back(on_npu, caplog, ditops_warnings) -> None:
     q, k = integer_qk(2, 2, 300)
     with fake_attentions(ops=["ada_block_sparse_attention"]), torch.no_grad():
         with caplog.at_level(logging.WARNING):
-            mask, counts = estimate_block_mask(q, k, keep_ratio=0.5, block_size=32, stride=4)
-    want = estimate_block_mask_reference(q, k, keep_ratio=0.5, block_size=32, stride=4)
+            mask, counts = estimate_block_mask(q, k, keep_ratio=0.5)
+    want = estimate_block_mask_reference(q, k, keep_ratio=0.5)
     assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
     (warning,) = ditops_warnings()
     assert "torch.ops.attentions.sparse_block_estimate" in warning
+    assert "sgl_kernel_npu is not installed" in warning
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
+@pytest.mark.parametrize(
+    ("kw", "reason"),
+    [
+        ({"block_size": 64, "stride": 8}, "block_size 64: the NPU kernels take a multiple of 128"),
+        ({"block_size": 640, "stride": 8}, "in [128, 512]"),
+        ({"block_size": 256, "stride": 3}, "stride 3 does not divide block_size 256"),
+    ],
+)
+def test_npu_estimate_ineligible_calls_run_native(
+    on_npu, package: str, kw: dict, reason: str, ditops_warnings
+) -> None:
+    q, k = integer_qk(2, 2, 300)
+    with npu_package(package) as calls, torch.no_grad():
+        decision = estimate_block_mask.explain_call(q, k, **kw)
+        if kw["block_size"] % kw["stride"] == 0:  # the op itself refuses the other
+            mask, counts = estimate_block_mask(q, k, **kw)
+            want = estimate_block_mask_reference(q, k, **kw)
+            assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
+        # an eligible call afterwards still takes the kernel: nothing was given up
+        estimate_block_mask(q, k)
+    assert decision.chosen == "forward_native"
+    assert any(reason in r for r in decision.candidates[0].reasons), decision
+    assert len(calls.of("sparse_block_estimate")) == 1 and not ditops_warnings()
 
 
 # --- bad inputs --------------------------------------------------------------------------

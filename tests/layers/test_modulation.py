@@ -5,7 +5,8 @@ Exact mode is bitwise the expressions of diffusers' ``WanTransformerBlock.forwar
 mode is within the ops' tolerance (1 ulp, or 1e-5 absolute where shift cancels the
 norm, on at most 1e-3 of the elements). The Triton path runs on CPU tensors through
 Triton's interpreter (``force_device_kind({"cpu": "cuda"})``), the NPU path against the
-test double of ``attentions.layernorm``.
+test doubles of the legacy ``attentions.layernorm`` and of the current ``sgl_kernel_npu``
+(no layer norm: ``F.layer_norm`` through torch_npu).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import ditops
+import ditops.backends.npu
 from ditops import config
 from ditops.custom_op import BackendUnavailableError, registered_ops, reset_state
 from ditops.kernels.modulation_shapes import ACCEPTED_SHAPES
@@ -29,7 +31,8 @@ from ditops.layers.modulation import (
     layer_norm_scale_shift,
     scale_residual_layer_norm_scale_shift,
 )
-from tests.doubles.npu_attentions import fake_attentions, no_attentions
+from tests.doubles.npu_attentions import Recorder, fake_attentions, no_attentions
+from tests.doubles.npu_sgl_kernel import fake_sgl_kernel_npu
 from tests.precision import assert_exact, assert_fast
 
 B, L, C, FRAMES = 2, 8, 48, 4
@@ -382,15 +385,32 @@ def npu_no_grad(on_npu: None) -> Any:
         yield
 
 
+@pytest.fixture
+def spied_f_layer_norm(monkeypatch: pytest.MonkeyPatch) -> Recorder:
+    """Records the ``F.layer_norm`` calls of the NPU layer norm's torch_npu choice."""
+    calls = Recorder()
+
+    def layer_norm(*args: Any) -> torch.Tensor:
+        calls.calls.append(("layer_norm", args))
+        return F.layer_norm(*args)
+
+    monkeypatch.setattr(ditops.backends.npu, "F", type("F", (), {"layer_norm": layer_norm}))
+    return calls
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
 @pytest.mark.parametrize("kind", ["batch", "frame", "vector"])
 def test_npu_path_folds_modulation_into_layernorm(
-    npu_no_grad: None, kind: str, caplog: Any
+    npu_no_grad: None, kind: str, package: str, caplog: Any, spied_f_layer_norm: Recorder
 ) -> None:
+    # legacy: attentions.layernorm; current (sgl_kernel_npu, no layer norm): F.layer_norm of
+    # the NPU tensor, run by torch_npu. Both take the modulation folded into fp32 affines.
     h, attn = torch.randn(B, L, C).bfloat16(), torch.randn(B, L, C).bfloat16()
     norm = fp32_norm(True)
     w, b = _params(norm)
     gate, scale, shift = (MODULATIONS[kind](torch.float32) for _ in range(3))
-    with fake_attentions() as calls, caplog.at_level(logging.WARNING):
+    setup = fake_attentions() if package == "legacy" else fake_sgl_kernel_npu()
+    with setup as calls, caplog.at_level(logging.WARNING):
         assert (
             layer_norm_scale_shift.explain_call(h, w, b, scale, shift, EPS, None).chosen
             == "forward_npu"
@@ -405,11 +425,19 @@ def test_npu_path_folds_modulation_into_layernorm(
     assert_exact(new_res, ref_res)
     assert_fast(fused, wan_norm(norm, ref_res, scale, shift), atol=ATOL)
     per_call = {"batch": B, "frame": B * FRAMES, "vector": 1}[kind]
-    layernorm_calls = calls.of("layernorm")
-    assert len(layernorm_calls) == 2 * per_call
-    for inp, shape, weight, bias, eps, impl_mode in layernorm_calls:
-        assert inp.dtype == torch.bfloat16 and shape == [C] and impl_mode == 0
-        assert weight.dtype == bias.dtype == torch.float32 and eps == pytest.approx(EPS)
+    if package == "legacy":
+        norm_calls = calls.of("layernorm")
+        assert spied_f_layer_norm.calls == []
+        for inp, shape, weight, bias, eps, impl_mode in norm_calls:
+            assert inp.dtype == torch.bfloat16 and shape == [C] and impl_mode == 0
+            assert weight.dtype == bias.dtype == torch.float32 and eps == pytest.approx(EPS)
+    else:
+        norm_calls = spied_f_layer_norm.of("layer_norm")
+        assert calls.calls == []
+        for inp, shape, weight, bias, eps in norm_calls:
+            assert inp.dtype == torch.bfloat16 and tuple(shape) == (C,)
+            assert weight.dtype == bias.dtype == torch.float32 and eps == pytest.approx(EPS)
+    assert len(norm_calls) == 2 * per_call
 
 
 def test_npu_runs_native_where_it_cannot_fold(npu_no_grad: None) -> None:

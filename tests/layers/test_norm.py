@@ -1,8 +1,10 @@
 """FP32LayerNorm: every path against forward_native, the weight cache, drop-in behaviour.
 
-The NPU path runs against the test double in tests/doubles/npu_attentions.py (a CPU
-implementation of the documented ``attentions.layernorm`` contract); the Triton path runs
-on CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
+The NPU path runs against the test doubles of the legacy ``attentions`` package
+(tests/doubles/npu_attentions.py, a CPU implementation of the documented
+``attentions.layernorm`` contract) and of the current ``sgl_kernel_npu``, which has no
+layer norm (tests/doubles/npu_sgl_kernel.py); the Triton path runs on CPU tensors
+through Triton's interpreter (TRITON_INTERPRET=1, set in conftest.py).
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from ditops import config
 from ditops.custom_op import BackendUnavailableError, reset_state
 from ditops.layers.norm import FP32LayerNorm
 from tests.doubles.npu_attentions import fake_attentions, no_attentions
+from tests.doubles.npu_sgl_kernel import fake_sgl_kernel_npu
 from tests.precision import assert_exact, assert_fast
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -194,42 +197,73 @@ def test_from_module_rejects_other_modules() -> None:
         FP32LayerNorm.from_module(nn.Linear(2, 2))  # type: ignore[arg-type]
 
 
-# --- the fp32 weight cache -------------------------------------------------------------
+# --- fp32 weights: cast per call, never stale --------------------------------------------
 
 
-def test_cache_no_copy_for_fp32_params() -> None:
+def test_fp32_params_are_used_as_they_are() -> None:
     m = make(16, "affine")
     with torch.no_grad():
         w, b = m._params32()
     assert w is m.weight and b is m.bias
 
 
-def test_cache_reused_and_refreshed() -> None:
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("custom_ops", ["all", "none"])
+@pytest.mark.parametrize("precision", ["fast", "exact"])
+def test_weights_edited_through_data_are_seen(
+    dtype: torch.dtype, custom_ops: str, precision: str
+) -> None:
+    # Regression: a cache keyed on (data_ptr, _version) kept the old fp32 copy after an
+    # edit through .data (LoRA fusing does that), on every path.
+    m = make(256, "affine", dtype)
+    x = torch.randn(4, 256, dtype=dtype)
+    with torch.no_grad(), config.override(custom_ops=custom_ops, precision=precision):
+        before = m(x)
+        m.weight.data.mul_(2.0)
+        m.bias.data.add_(1.0)
+        after = m(x)
+        assert not torch.equal(before, after)
+        if precision == "exact":
+            assert_exact(after, diffusers_meaning(m, x))
+        assert torch.equal(m.forward_native(x), diffusers_meaning(m, x))
+        m.weight.data = torch.full_like(m.weight, 3.0)  # a new tensor behind .data
+        assert torch.equal(m.forward_native(x), diffusers_meaning(m, x))
+
+
+def test_weights_follow_load_state_dict_and_to() -> None:
     m = make(16, "affine", torch.bfloat16)
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad():
-        w1, _ = m._params32()
-        w2, _ = m._params32()
-        assert w1 is w2 and w1.dtype == torch.float32
-        m.weight.mul_(2)  # in-place update bumps _version
-        w3, _ = m._params32()
-        assert w3 is not w1 and torch.equal(w3, m.weight.float())
-        assert_exact(m(x), diffusers_meaning(m, x))
         m.load_state_dict({"weight": torch.ones(16), "bias": torch.zeros(16)})
-        w4, _ = m._params32()
-        assert torch.equal(w4, torch.ones(16))
+        assert torch.equal(m._params32()[0], torch.ones(16))
         m.to(torch.float16)
-        w5, _ = m._params32()
-        assert w5.dtype == torch.float32 and torch.equal(w5, m.weight.float())
+        w, _ = m._params32()
+        assert w.dtype == torch.float32 and torch.equal(w, m.weight.float())
         assert_exact(m(x.half()), diffusers_meaning(m, x.half()))
-    assert "_fp32" not in str(m.state_dict().keys())
     assert set(m.state_dict()) == {"weight", "bias"}
+
+
+def test_a_callers_device_mistake_leaves_the_fast_path_on(ditops_warnings) -> None:
+    # Regression: a norm built on the meta device called with a CPU tensor raised (fine),
+    # then every FP32LayerNorm in the process ran forward_native.
+    x = torch.randn(8, 64, dtype=torch.bfloat16)
+    on_meta = FP32LayerNorm(64, device="meta")
+    for strict in (False, True):
+        with torch.no_grad(), config.override(strict=strict):
+            with pytest.raises(RuntimeError, match="meta") as info:
+                on_meta(x)
+            assert not isinstance(info.value, BackendUnavailableError)
+    other = make(64, "affine", torch.bfloat16)
+    with torch.no_grad():
+        assert other.explain_call(x).chosen == "forward_cpu"
+        assert_fast(other(x), native(other, x))
+    assert ditops_warnings() == []
 
 
 def test_grad_reaches_weights() -> None:
     m = make(16, "affine", torch.bfloat16)
     x = torch.randn(3, 16, dtype=torch.bfloat16, requires_grad=True)
-    out = m(x)  # grad enabled: cache bypassed, native path
+    out = m(x)  # grad enabled: native path
     out.float().sum().backward()
     assert m.weight.grad is not None and m.weight.grad.abs().sum() > 0
     assert x.grad is not None
@@ -241,8 +275,7 @@ def test_two_threads_share_a_module() -> None:
     m = make(512, "affine", torch.bfloat16)
     xs = [torch.randn(64, 512, dtype=torch.bfloat16) for _ in range(2)]
     refs = [native(m, x) for x in xs]
-    m._fp32.clear()
-    m.precision = "exact"  # per module: config.override is process-wide, not per thread
+    m.precision = "exact"
     errors: list[BaseException] = []
 
     def work(i: int) -> None:
@@ -305,6 +338,53 @@ def test_npu_exact_precision_runs_native(on_npu: None) -> None:
     assert calls.calls == []
 
 
+def npu_norm_choice() -> str:
+    """What ``ditops info`` says the NPU path of fp32_layer_norm takes."""
+    (candidate,) = ditops.explain("fp32_layer_norm", ["npu"])[0].candidates
+    return candidate.accepts
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("affine", AFFINE)
+def test_npu_without_a_layernorm_kernel_runs_f_layer_norm_through_torch_npu(
+    on_npu: None, affine: str, dtype: torch.dtype, ditops_warnings
+) -> None:
+    # The current sgl_kernel_npu has no layer norm: F.layer_norm of the NPU tensor with fp32
+    # weight and bias (ATen's mixed-dtype kernel stands in for torch_npu's here).
+    m = make(1000, affine, dtype)
+    x = torch.randn(2, 5, 1000, dtype=dtype)
+    with fake_sgl_kernel_npu() as calls, torch.no_grad():
+        assert m.explain_call(x).chosen == "forward_npu"
+        out = m(x)
+        choice = npu_norm_choice()
+    assert_fast(out, native(m, x), atol=LN_ATOL)
+    assert calls.calls == [] and not ditops_warnings()
+    assert "torch_npu: F.layer_norm with fp32 weight and bias" in choice
+    assert "sgl_kernel_npu: ships none; attentions: not installed" in choice
+
+
+def test_npu_prefers_the_legacy_layernorm_kernel_to_torch_npu(on_npu: None) -> None:
+    m = make(64, "affine", torch.bfloat16)
+    x = torch.randn(3, 64, dtype=torch.bfloat16)
+    with fake_sgl_kernel_npu(), fake_attentions() as calls, torch.no_grad():
+        out = m(x)
+        choice = npu_norm_choice()
+    assert_fast(out, native(m, x), atol=LN_ATOL)
+    assert len(calls.of("layernorm")) == 1
+    assert "needs attentions: torch.ops.attentions.layernorm, impl_mode 0" in choice
+
+
+def test_npu_layer_norm_of_more_than_8_dims_runs_native(on_npu: None) -> None:
+    m = make(4, "affine", torch.bfloat16)
+    x = torch.randn(1, 1, 1, 1, 1, 1, 1, 2, 4, dtype=torch.bfloat16)
+    with fake_attentions() as calls, torch.no_grad():
+        decision = m.explain_call(x)
+        assert_exact(m(x), native(m, x))
+    assert decision.chosen == "forward_native"
+    assert "9-D input: the NPU layer norm takes at most 8 dims" in decision.candidates[0].reasons
+    assert calls.calls == []
+
+
 @pytest.mark.parametrize("case", ["not_installed", "op_missing", "raises"])
 def test_npu_fallbacks_warn_once(
     on_npu: None, case: str, caplog: pytest.LogCaptureFixture, ditops_warnings
@@ -312,8 +392,9 @@ def test_npu_fallbacks_warn_once(
     m = make(64, "affine", torch.bfloat16)
     x = torch.randn(3, 64, dtype=torch.bfloat16)
     expected = {
-        "not_installed": "'attentions' package is not installed",
-        "op_missing": "registers no torch.ops.attentions.layernorm",
+        "not_installed": "the legacy 'attentions' package is not installed",
+        "op_missing": "'attentions' package is installed but registers no "
+        "torch.ops.attentions.layernorm",
         "raises": "fake attentions.layernorm failed at run time",
     }[case]
     setups = {
@@ -329,7 +410,10 @@ def test_npu_fallbacks_warn_once(
         reasons = ditops.explain("fp32_layer_norm", ["npu"])[0].candidates[0].reasons
     warnings = ditops_warnings()
     assert len(warnings) == 1 and expected in warnings[0], warnings
-    assert "sgl-kernel-npu" in warnings[0] or case == "raises"
+    if case != "raises":  # no layer norm anywhere: every way to get one is named
+        assert "sgl_kernel_npu has no layernorm kernel" in warnings[0]
+        assert "torch_npu is not installed" in warnings[0]
+        assert "install torch_npu for your CANN version" in warnings[0]
     assert any(expected in r for r in reasons)
 
 

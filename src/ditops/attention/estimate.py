@@ -97,6 +97,32 @@ def estimate_block_mask_reference(
     scores = block_scores(
         qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride, causal=causal
     )
+    return mask_from_scores(
+        scores,
+        threshold=threshold,
+        keep_ratio=keep_ratio,
+        keep_sink=keep_sink,
+        keep_recent=keep_recent,
+        causal=causal,
+        dense_blocks=dense_blocks,
+    )
+
+
+def mask_from_scores(
+    scores: torch.Tensor,
+    *,
+    threshold: float,
+    keep_ratio: float,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+    dense_blocks: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Steps 4-6 and the first frame: ``(mask, counts)`` from fp32 block scores.
+
+    Every path that computes the block scores itself (the Triton estimate) finishes
+    here, so the selection has one definition.
+    """
     keep = select_blocks(
         scores,
         threshold=threshold,

@@ -20,7 +20,7 @@ from typing import Any, TextIO
 
 import torch
 
-import ditops
+from ditops._version import __version__
 
 
 @dataclass
@@ -220,7 +220,7 @@ def print_table(rows: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
 
 def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
-        "ditops": ditops.__version__,
+        "ditops": __version__,
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),

@@ -16,6 +16,7 @@ Also a JSON file and a PNG plot (time per step, per variant).
 
 from __future__ import annotations
 
+import importlib.util
 import math
 import os
 import sys
@@ -142,6 +143,27 @@ def _drift(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     return max_abs, cosine, psnr
 
 
+def cast_like_from_pretrained(model: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Module:
+    """Cast ``model`` to ``dtype`` the way ``from_pretrained(torch_dtype=dtype)`` loads it.
+
+    Floating parameters and persistent buffers go to ``dtype``, except those whose dotted
+    name holds one of the model's ``_keep_in_fp32_modules`` (Wan: norms, the time
+    embedder, the modulation tables), which stay fp32. ``model.to(dtype)`` would cast
+    those too (diffusers warns that results then differ from the checkpoint's).
+    """
+    keep = list(getattr(model, "_keep_in_fp32_modules", None) or [])
+    with torch.no_grad():
+        for name, t in model.state_dict(keep_vars=True).items():
+            if t.is_floating_point():
+                fp32 = any(k in name.split(".") for k in keep)
+                t.data = t.data.to(torch.float32 if fp32 else dtype)
+    return model
+
+
+class ModelLoadError(RuntimeError):
+    """``--model PATH`` could not be loaded; the message says why in one line."""
+
+
 def build_model(path: str | None, device: torch.device, dtype: torch.dtype) -> Any:
     from diffusers import WanTransformer3DModel
 
@@ -149,16 +171,29 @@ def build_model(path: str | None, device: torch.device, dtype: torch.dtype) -> A
         torch.manual_seed(0)
         with torch.device(device):
             model = WanTransformer3DModel(**DEFAULT_CONFIG)
-        return model.to(dtype).eval()
+        return cast_like_from_pretrained(model, dtype).eval()
     if not os.path.isdir(path):
-        raise FileNotFoundError(
-            f"--model {path!r} is not a directory holding a diffusers checkpoint"
+        raise ModelLoadError(f"--model {path!r} is not a directory holding a diffusers checkpoint")
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(
+            f"--model {path!r} has no config.json: not a diffusers model folder (for a "
+            "pipeline folder, pass its transformer/ subfolder)"
         )
-    return (
-        WanTransformer3DModel.from_pretrained(path, torch_dtype=dtype, local_files_only=True)
-        .to(device)
-        .eval()
-    )
+    if importlib.util.find_spec("accelerate") is None:
+        # diffusers loads Wan's fp32 modules with low_cpu_mem_usage, which needs accelerate
+        # (without it: a ValueError about low_cpu_mem_usage after a long warning).
+        raise ModelLoadError(
+            f"loading --model {path!r} needs accelerate: pip install accelerate "
+            "(or pip install 'ditops[bench]')"
+        )
+    try:
+        model = WanTransformer3DModel.from_pretrained(
+            path, torch_dtype=dtype, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError, ImportError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"--model {path!r} could not be loaded: {first}") from exc
+    return model.to(device).eval()
 
 
 def _sparse(sparsity: float) -> Any:
@@ -191,8 +226,8 @@ def run(
     plot_path: str | None = None,
 ) -> dict[str, Any]:
     """Run the loop for every variant; returns rows and a summary (see module docstring)."""
-    import ditops
     from ditops.bench.harness import Progress
+    from ditops.integrations import patch, unpatch
 
     dtype = torch.bfloat16
     model = build_model(model_path, device, dtype)
@@ -211,9 +246,9 @@ def run(
     warmups: dict[str, float] = {}
 
     def use(options: dict[str, Any] | None) -> None:
-        ditops.unpatch(model)
+        unpatch(model)
         if options is not None:
-            ditops.patch(model, **options)
+            patch(model, **options)
 
     try:
         for name, options in variants:
@@ -243,7 +278,7 @@ def run(
                 results.append(StepResult(name, i, seconds, dense, *drift, section_seconds))
     finally:
         bar.close()
-        ditops.unpatch(model)
+        unpatch(model)
     results.sort(key=lambda r: [v for v, _ in variants].index(r.variant))
     rows = []
     base = {r.step: r.seconds for r in results if r.variant == "unpatched"}

@@ -1,11 +1,15 @@
-"""Knowing the denoising step from inside a diffusers model.
+"""Knowing the denoising step (and guidance branch) from inside a diffusers model.
 
 diffusers pipelines run every transformer call inside ``model.cache_context(name,
 step_index=i, ...)`` (twice per step under classifier-free guidance: "cond", then
-"uncond"). The context reaches the stateful hooks registered on the model, so a hook
-with a ``StateManager`` sees ``step_index`` before every forward: the same index for both
-guidance calls, and a fresh count for each pipeline call. :class:`StepTracker` is such a
-hook; it writes the step into a :class:`StepState` that ditops' attention processors read.
+"uncond"), and a fresh count for each pipeline call. :func:`track_steps` puts a
+``cache_context`` on the model instance that first writes the step and the branch name
+into a :class:`StepState`, then runs the model's own ``cache_context`` (so diffusers'
+cache hooks still receive it); ditops' attention processors read the state. A forward
+pre-hook records the latent video's shape (for the first frame's dense blocks).
+
+Both are plain objects, not closures and not diffusers hooks (whose wrappers close over
+the original module): a deep copy of the model tracks its own steps, and it pickles.
 
 Outside a pipeline, wrap calls in ``model.cache_context("cond", step_index=i)`` yourself,
 or call :func:`set_step`. With no step known, the schedule treats the call as dense
@@ -14,26 +18,29 @@ or call :func:`set_step`. With no step known, the schedule treats the call as de
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-HOOK_NAME = "ditops_step_tracker"
+from ditops.integrations.base import AttrSet, PatchRecord, TorchHook
 
 
 @dataclass
 class StepState:
     """What the attention processors need to know about the call in progress.
 
-    ``step``: the denoising step from the pipeline's cache context (``None``: unknown);
-    ``manual``: one set with :func:`set_step`, which wins; ``latent_shape``: the shape of
-    the latent video entering the model (for the first frame's dense blocks);
-    ``patch_size``: the model's patch size.
+    ``step``/``branch``: the denoising step and the cache context's name ("cond",
+    "uncond") of the call in progress (``None``: unknown); ``manual``: a step set with
+    :func:`set_step`, which wins; ``latent_shape``: the shape of the latent video entering
+    the model; ``patch_size``: the model's patch size.
     """
 
     step: int | None = None
+    branch: str | None = None
     manual: int | None = None
     latent_shape: tuple[int, ...] | None = None
     patch_size: tuple[int, ...] = (1, 2, 2)
@@ -42,55 +49,72 @@ class StepState:
         return self.manual if self.manual is not None else self.step
 
 
-class _NoState:
-    """StateManager wants a state class; the tracker keeps its state elsewhere."""
+class StepTrackingCacheContext:
+    """``model.cache_context`` that tells a :class:`StepState` the step first.
 
-    def reset(self, *args: Any, **kwargs: Any) -> None:
-        pass
+    Then it enters what ``model.cache_context`` was before (the class's method, or an
+    instance attribute someone set earlier).
+    """
 
+    def __init__(self, model: nn.Module, state: StepState, inner: Any) -> None:
+        self.model = model
+        self.state = state
+        self.inner = inner
 
-def attach_step_tracker(model: nn.Module, state: StepState) -> None:
-    """Register the step-tracking hook on ``model`` (once)."""
-    from diffusers.hooks.hooks import HookRegistry, ModelHook, StateManager
+    def __call__(self, name: str, **kwargs: Any) -> contextlib.AbstractContextManager[None]:
+        return self._enter(name, kwargs)
 
-    class StepTracker(ModelHook):
-        _is_stateful = True
-
-        def __init__(self) -> None:
-            super().__init__()
-            # Found by diffusers' cache_context through vars(hook): it sets .context on it.
-            self.state_manager = StateManager(_NoState)
-
-        def pre_forward(self, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
-            ctx = self.state_manager._context
-            state.step = None if ctx is None else ctx.step_index
-            latents = kwargs.get("hidden_states", args[0] if args else None)
-            if isinstance(latents, torch.Tensor) and latents.dim() == 5:
-                state.latent_shape = tuple(latents.shape)
-            return args, kwargs
-
-        def reset_state(self, module: nn.Module) -> nn.Module:
-            state.step = None
-            return module
-
-    registry = HookRegistry.check_if_exists_or_initialize(model)
-    if registry.get_hook(HOOK_NAME) is None:
-        registry.register_hook(StepTracker(), HOOK_NAME)
+    @contextlib.contextmanager
+    def _enter(self, name: str, kwargs: dict[str, Any]) -> Iterator[None]:
+        state = self.state
+        saved = (state.step, state.branch)
+        step = kwargs.get("step_index")
+        state.step = int(step) if step is not None else None
+        state.branch = name
+        inner = self.inner
+        if inner is None:
+            inner = type(self.model).cache_context.__get__(self.model)  # type: ignore[attr-defined]
+        try:
+            with inner(name, **kwargs):
+                yield
+        finally:
+            state.step, state.branch = saved
 
 
-def detach_step_tracker(model: nn.Module) -> None:
-    registry = getattr(model, "_diffusers_hook", None)
-    if registry is not None and registry.get_hook(HOOK_NAME) is not None:
-        registry.remove_hook(HOOK_NAME, recurse=False)
+class LatentShapeRecorder:
+    """Forward pre-hook: the shape of the 5-D latent video a call brings."""
+
+    def __init__(self, state: StepState) -> None:
+        self.state = state
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        latents = kwargs.get("hidden_states", args[0] if args else None)
+        if isinstance(latents, torch.Tensor) and latents.dim() == 5:
+            self.state.latent_shape = tuple(latents.shape)
+
+
+def track_steps(model: nn.Module, state: StepState, record: PatchRecord) -> None:
+    """Make ``model`` report its denoising step and latent shape into ``state``."""
+    if not hasattr(type(model), "cache_context"):
+        return  # not a diffusers CacheMixin: steps come from set_step only
+    inner = vars(model).get("cache_context")
+    record.add(AttrSet.apply(model, "cache_context", StepTrackingCacheContext(model, state, inner)))
+    handle = model.register_forward_pre_hook(LatentShapeRecorder(state), with_kwargs=True)
+    record.add(TorchHook(model, handle.id))
+    record.add(AttrSet.apply(model, "_ditops_steps", state))
 
 
 def set_step(model: nn.Module, step: int | None) -> None:
-    """Set the denoising step by hand for a patched model (``None``: follow the pipeline)."""
+    """Set the denoising step by hand for a patched model (``None``: follow the pipeline).
+
+    For a loop of your own that does not use ``model.cache_context``.
+    """
     state = getattr(model, "_ditops_steps", None)
     if state is None:
         raise ValueError(
-            "set_step: this model was not patched with sparse attention by ditops.patch"
+            "set_step: this model was not patched with sparse attention by ditops.patch "
+            "(patch(model, attention=ditops.BlockSparseConfig(...)) first)"
         )
-    if step is not None and (not isinstance(step, int) or step < 0):
+    if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
     state.manual = step

@@ -19,14 +19,16 @@ Self-attention (``attn1``) optionally runs block-sparse: a processor wraps diffu
 ``WanAttnProcessor``, runs it unchanged on dense steps and runs ditops'
 :class:`~ditops.layers.attention.BlockSparseAttention` on sparse ones.
 
-Before changing anything, :func:`check` compares every block and processor against what
-this module was written for (types, sub-modules and a fingerprint of the source of
-``WanTransformerBlock.forward`` and ``WanAttnProcessor.__call__``): a model that does
-not match is refused whole, with the reason.
+Before changing anything, :meth:`WanFamily.check` compares every block and processor
+against what this module was written for (types, sub-modules and a fingerprint of the
+source of ``WanTransformerBlock.forward`` and ``WanAttnProcessor.__call__``): a model that
+does not match is refused whole, with the reason. Blocks already wrapped by diffusers or
+accelerate hooks (caching, offloading, context parallelism) are patched under the hooks.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
 from collections.abc import Iterator
@@ -36,8 +38,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.patching import PatchError, PatchRecord, swap_norms
-from ditops.integrations.steps import StepState, attach_step_tracker, detach_step_tracker
+from ditops.integrations.base import (
+    AttrSet,
+    PatchOptions,
+    PatchRecord,
+    forward_wrapper_problem,
+    refuse,
+    replace_forward,
+)
+from ditops.integrations.norms import swap_norms
+from ditops.integrations.steps import StepState, track_steps
 
 # sha256 (first 16 hex digits) of the stripped, non-empty source lines, per diffusers
 # version this module was checked against.
@@ -54,10 +64,6 @@ def _fingerprint(fn: Any) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
-def is_wan(model: nn.Module) -> bool:
-    return type(model).__name__ == "WanTransformer3DModel" and hasattr(model, "blocks")
-
-
 @dataclass
 class WanPlan:
     blocks: list[nn.Module]
@@ -67,11 +73,11 @@ def _iter_blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
     yield from enumerate(model.blocks)  # type: ignore[arg-type]
 
 
-def check(model: nn.Module, *, norms: bool, attention: Any) -> WanPlan:
-    """Everything the patch relies on, checked before any change. Raises PatchError."""
+def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
     import diffusers
     from diffusers.models.transformers import transformer_wan
 
+    norms, attention = options.norms, options.attention
     version = getattr(diffusers, "__version__", "?")
     problems: list[str] = []
     block_cls = transformer_wan.WanTransformerBlock
@@ -96,11 +102,10 @@ def check(model: nn.Module, *, norms: bool, attention: Any) -> WanPlan:
                 f"{where} is a {type(block).__name__}, not diffusers' WanTransformerBlock"
             )
             continue
-        if "forward" in vars(block):
-            problems.append(
-                f"{where}.forward is already replaced (a hook: caching, offloading or another "
-                "patch); apply ditops.patch before enabling those"
-            )
+        if norms:
+            wrapped = forward_wrapper_problem(block, where)
+            if wrapped:
+                problems.append(wrapped)
         for name in ("norm1", "norm3"):
             norm = getattr(block, name, None)
             if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
@@ -120,16 +125,13 @@ def check(model: nn.Module, *, norms: bool, attention: Any) -> WanPlan:
                     f"{where}.attn1.processor is a {type(proc).__name__}, not WanAttnProcessor"
                 )
         blocks.append(block)
-    if problems:
-        listed = "\n  - ".join(problems[:8]) + ("\n  - ..." if len(problems) > 8 else "")
-        raise PatchError(
-            f"ditops.patch refuses this {type(model).__name__}; nothing was changed:\n  - {listed}"
-        )
+    refuse(model, problems)
     return WanPlan(blocks)
 
 
 class _ModulationOps:
-    """One set of fused-op instances per patched model, carrying its precision."""
+    """One set of fused-op instances per patched model, carrying its precision (a plain
+    object: it deep-copies and pickles with the model)."""
 
     def __init__(self, precision: str | None) -> None:
         from ditops.layers import modulation
@@ -149,31 +151,33 @@ def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ..
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
 
 
-def _fused_block_forward(block: nn.Module, ops: _ModulationOps) -> Any:
+def fused_block_forward(
+    block: nn.Module,
+    ops: _ModulationOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    rotary_emb: torch.Tensor,
+) -> torch.Tensor:
+    """``WanTransformerBlock.forward`` on the fused ops (see the module docstring).
+
+    Installed as ``functools.partial(fused_block_forward, block, ops)``: a deep copy of the
+    block gets a partial bound to the copy and its own ops.
+    """
     norm2 = block.norm2
-    eps1, eps3 = block.norm1.eps, block.norm3.eps
-
-    def forward(
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor,
-        temb: torch.Tensor,
-        rotary_emb: torch.Tensor,
-    ) -> torch.Tensor:
-        shift, scale, gate, c_shift, c_scale, c_gate = _modulations(block, temb)
-        h = hidden_states
-        n = ops.ln_mod(h, None, None, scale, shift, eps1)
-        attn = block.attn1(n, None, None, rotary_emb)
-        if isinstance(norm2, nn.LayerNorm):
-            n, h = ops.fused(h, attn, gate, norm2.weight, norm2.bias, None, None, norm2.eps)
-        else:  # cross_attn_norm=False: norm2 is Identity, so n is the new residual itself
-            h = ops.gated(h, attn, gate)
-            n = h
-        attn = block.attn2(n, encoder_hidden_states, None, None)
-        n, h = ops.fused(h, attn, 1, None, None, c_scale, c_shift, eps3)
-        ff = block.ffn(n)
-        return ops.gated(h, ff, c_gate)
-
-    return forward
+    shift, scale, gate, c_shift, c_scale, c_gate = _modulations(block, temb)
+    h = hidden_states
+    n = ops.ln_mod(h, None, None, scale, shift, block.norm1.eps)
+    attn = block.attn1(n, None, None, rotary_emb)
+    if isinstance(norm2, nn.LayerNorm):
+        n, h = ops.fused(h, attn, gate, norm2.weight, norm2.bias, None, None, norm2.eps)
+    else:  # cross_attn_norm=False: norm2 is Identity, so n is the new residual itself
+        h = ops.gated(h, attn, gate)
+        n = h
+    attn = block.attn2(n, encoder_hidden_states, None, None)
+    n, h = ops.fused(h, attn, 1, None, None, c_scale, c_shift, block.norm3.eps)
+    ff = block.ffn(n)
+    return ops.gated(h, ff, c_gate)
 
 
 def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -242,35 +246,37 @@ class SparseWanAttnProcessor:
         return attn.to_out[1](out)
 
 
-def apply(
-    model: nn.Module,
-    plan: WanPlan,
-    record: PatchRecord,
-    *,
-    norms: bool,
-    attention: Any,
-    precision: str | None,
-) -> None:
-    """Patch a checked Wan model in place, recording every change on ``record``."""
-    if norms:
-        swap_norms(model, record, precision)
-        ops = _ModulationOps(precision)
-        for block in plan.blocks:
-            block.forward = _fused_block_forward(block, ops)
-            record.undo.append(lambda block=block: vars(block).pop("forward", None))
-            record.count("fused blocks")
-    if attention is not None:
-        from ditops.layers.attention import BlockSparseAttention
+class WanFamily:
+    """diffusers' ``WanTransformer3DModel``: fused blocks, optional sparse self-attention."""
 
-        steps = StepState()
-        steps.patch_size = tuple(model.config.patch_size)  # type: ignore[attr-defined]
-        attach_step_tracker(model, steps)
-        record.undo.append(lambda: detach_step_tracker(model))
-        model._ditops_steps = steps  # type: ignore[assignment]
-        record.undo.append(lambda: vars(model).pop("_ditops_steps", None))
-        for block in plan.blocks:
-            original = block.attn1.processor
-            sparse = BlockSparseAttention(attention)
-            block.attn1.set_processor(SparseWanAttnProcessor(original, sparse, steps))
-            record.undo.append(lambda a=block.attn1, p=original: a.set_processor(p))
-            record.count("sparse self-attentions")
+    name = "wan"
+
+    def recognise(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "WanTransformer3DModel" and hasattr(model, "blocks")
+
+    def check(self, model: nn.Module, options: PatchOptions) -> WanPlan:
+        """Everything the patch relies on, checked before any change. Raises PatchError."""
+        return _check(model, options)
+
+    def apply(
+        self, model: nn.Module, plan: WanPlan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Patch a checked Wan model in place, recording every change on ``record``."""
+        if options.norms:
+            swap_norms(model, record, options.precision)
+            ops = _ModulationOps(options.precision)
+            for block in plan.blocks:
+                replace_forward(block, functools.partial(fused_block_forward, block, ops), record)
+                record.count("fused blocks")
+        if options.attention is not None:
+            from ditops.layers.attention import BlockSparseAttention
+
+            steps = StepState()
+            steps.patch_size = tuple(model.config.patch_size)  # type: ignore[attr-defined]
+            track_steps(model, steps, record)
+            for block in plan.blocks:
+                original = block.attn1.processor
+                sparse = BlockSparseAttention(options.attention)
+                processor = SparseWanAttnProcessor(original, sparse, steps)
+                record.add(AttrSet.apply(block.attn1, "processor", processor))
+                record.count("sparse self-attentions")

@@ -4,20 +4,40 @@ Two ops, each a registered CustomOp with a functional entry point of the same na
 
 - ``estimate_block_mask(q, k, ...) -> (mask, counts)``: the XAttention-style estimate
   of :mod:`ditops.attention.estimate`. Paths: native (plain torch, every device);
-  ``npu`` through ``torch.ops.attentions.sparse_block_estimate`` followed by the same
-  first-frame forcing and count recomputation.
+  ``npu`` through sgl-kernel-npu's ``sparse_block_estimate`` (``torch.ops.npu`` from
+  ``sgl_kernel_npu``, else the legacy ``torch.ops.attentions``) followed by the same
+  first-frame forcing and count recomputation; ``cuda``/``hip``/``xpu`` through a Triton
+  kernel for the block scores (:mod:`ditops.kernels.triton.estimate`) followed by the
+  native selection (:func:`ditops.attention.estimate.mask_from_scores`).
 - ``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the union of the
   selected key blocks (:mod:`ditops.attention.reference` is the meaning). Paths:
   native (fp32, memory-bounded); ``cpu`` gathers the selected key blocks and runs SDPA
-  on them (no compile); ``cuda``/``hip`` through compiled FlexAttention;
-  ``npu`` through ``torch.ops.attentions.ada_block_sparse_attention`` (or its older
-  name ``block_sparse_attention``). Other devices run native.
+  on them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`);
+  ``cuda``/``hip`` through compiled FlexAttention;
+  ``npu`` through sgl-kernel-npu's ``ada_block_sparse_attention`` (``sgl_kernel_npu``,
+  else the legacy ``attentions`` under that name or its older ``block_sparse_attention``).
+  Other devices run native.
+
+The NPU paths take bf16/fp16 only, self-attention for the estimate, block sizes that
+are a multiple of 128 in [128, 512] and the kernels' other limits
+(:mod:`ditops.backends.npu`); any other call runs native, with the reason in
+``explain_call``.
+
+NaN and inf in q, k or v propagate as in the meaning: such a call runs the meaning
+(checked with one ``aminmax`` per tensor, about half a copy of it; inside a compiled
+graph with ``torch.cond``).
 
 Precision: every fast path is ``fast`` only (``exact`` runs native). For attention,
 ``fast`` means within ``ATTENTION_TOLERANCE`` of native (fp32 inside, rounded once):
-SDPA's CPU flash kernel, FlexAttention and the NPU kernel round softmax probabilities
-to the input dtype before the second matmul, as every flash-attention kernel does. For
-the estimate, ``fast`` means the NPU's fp16 block scores may break near-ties differently.
+SDPA's CPU flash kernel, FlexAttention and the NPU kernel round softmax probabilities to
+the input dtype before the second matmul, as every flash-attention kernel does. One
+exception: fp16 on ``sgl_kernel_npu``, which lacks the kernel's fp16 high-precision
+specialization, runs its high-performance one (``inner_precise=1``), holding scores
+and softmax in fp16: a logit ``l`` is then off by up to ``|l| * 2**-11``, and the
+bound's ``atol`` grows by ``NPU_FP16_LOGIT_ATOL * max|logit|`` (bf16, and fp16 on the
+legacy package, take the high-precision path). For the estimate, ``fast`` means the
+NPU's fp16 block scores, or the Triton kernel's (within a few ulps of the input dtype of
+native's), may break near-ties differently.
 
 :class:`BlockSparseAttention` puts both behind a schedule
 (:class:`ditops.attention.schedule.BlockSparseConfig`): dense SDPA for the first
@@ -39,20 +59,31 @@ from ditops.attention.block_mask import (
     to_flex_block_mask,
     validate_block_mask,
 )
-from ditops.attention.estimate import estimate_block_mask_reference, force_dense_blocks
+from ditops.attention.estimate import (
+    estimate_block_mask_reference,
+    force_dense_blocks,
+    mask_from_scores,
+)
 from ditops.attention.layout import LAYOUTS, to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
-from ditops.backends.npu import attentions_op
+from ditops.backends import npu
 from ditops.backends.triton import TRITON
 from ditops.custom_op import CustomOp, fast_path, register_op
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
-NPU_ESTIMATE = attentions_op("sparse_block_estimate")
-NPU_ATTENTION = attentions_op("ada_block_sparse_attention", "block_sparse_attention")
-# ada_block_sparse_attention's inner_precise: 0 = high precision (bf16 always is).
-_NPU_HIGH_PRECISION = 0
+NPU_ESTIMATE = npu.npu_kernel(
+    "sparse_block_estimate", current=("sparse_block_estimate",), legacy=("sparse_block_estimate",)
+)
+NPU_ATTENTION = npu.npu_kernel(
+    "ada_block_sparse_attention",
+    current=("ada_block_sparse_attention",),
+    legacy=("ada_block_sparse_attention", "block_sparse_attention"),
+)
+#: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
+#: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
+TRITON_ESTIMATE_MAX_CELLS = 128
 
 #: ``fast`` tolerance of block_sparse_attention against native, per output dtype:
 #: ``|out - native| <= atol * max|v| + rtol * |native|`` (about 1 ulp of max|v| in bf16;
@@ -63,6 +94,11 @@ ATTENTION_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.bfloat16: (8e-3, 8e-3),
     torch.float16: (1e-3, 1e-3),
 }
+#: fp16 on sgl_kernel_npu (high-performance mode, scores in fp16): ``atol`` grows by this
+#: times ``max|logit|`` (logit = scale * q.k). A logit rounded to fp16 moves by up to
+#: ``|l| * 2**-11``, which moves a softmax-weighted mean of v by up to about twice that
+#: times ``max|v|``. A CPU emulation of fp16 scores and softmax stayed within 0.3 of it.
+NPU_FP16_LOGIT_ATOL = 2.0**-10
 
 
 # --- argument checks -------------------------------------------------------------------
@@ -223,12 +259,55 @@ class EstimateBlockMask(CustomOp):
         q_len, kv_len = to_bnsd(q, layout).shape[2], to_bnsd(k, layout).shape[2]
         if q_len == 0 or kv_len == 0:
             return ["empty sequence: nothing to compute"]
-        if kind == "npu" and q_len != kv_len:
+        cells = kwargs.get("block_size", 128) // kwargs.get("stride", 8)
+        if kind in ("cuda", "hip", "xpu") and cells > TRITON_ESTIMATE_MAX_CELLS:
             return [
-                f"attentions.sparse_block_estimate assumes self-attention; q has {q_len} "
-                f"tokens, k {kv_len}"
+                f"block_size / stride = {cells} strided rows per block; the Triton estimate "
+                f"takes at most {TRITON_ESTIMATE_MAX_CELLS}"
             ]
-        return []
+        if kind != "npu":
+            return []
+        reasons = npu.input_reasons(layout, q, k)
+        reasons += npu.block_size_reasons(kwargs.get("block_size", 128), kwargs.get("stride", 8))
+        if q_len != kv_len:
+            # The legacy estimator takes both block dims from the query length; the current
+            # one's cross-length scoring is not documented: only self-attention is sent.
+            reasons.append(
+                f"the NPU sparse_block_estimate is used for self-attention only; q has {q_len} "
+                f"tokens, k {kv_len}"
+            )
+        return reasons
+
+    @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_cuda(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        block_size: int,
+        stride: int,
+        scale: float | None,
+        causal: bool,
+        **selection: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scores from the Triton kernel, then the native selection."""
+        from ditops.kernels.triton.estimate import block_scores
+
+        qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
+        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
+        scores = block_scores(
+            qb,
+            kb,
+            block_size=block_size,
+            stride=stride,
+            score_scale=softmax_scale / stride,
+            causal=causal,
+        )
+        return mask_from_scores(scores, causal=causal, **selection)
+
+    forward_hip = forward_cuda
+    forward_xpu = forward_cuda
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
     def forward_npu(
@@ -251,8 +330,8 @@ class EstimateBlockMask(CustomOp):
         heads, kv_heads, dim = int(qb.shape[1]), int(kb.shape[1]), int(qb.shape[3])
         softmax_scale = dim**-0.5 if scale is None else float(scale)
         mask, _counts = NPU_ESTIMATE.op()(
-            q,
-            k,
+            q.contiguous(),
+            k.contiguous(),
             actual_seq_lengths=None,
             actual_seq_lengths_kv=None,
             input_layout=layout,
@@ -283,6 +362,10 @@ estimate_block_mask = EstimateBlockMask()
 @register_op("block_sparse_attention")
 class BlockSparseAttentionOp(CustomOp):
     """Block-sparse attention. Call as ``block_sparse_attention(q, k, v, mask, counts, ...)``."""
+
+    # NaN/inf in q, k or v: the meaning runs (FlexAttention turns a NaN query row into
+    # zeros and ignores an inf key; the meaning gives NaN as dense SDPA does).
+    meaning_for_non_finite = (0, 1, 2)
 
     def forward(  # type: ignore[override]
         self,
@@ -349,7 +432,13 @@ class BlockSparseAttentionOp(CustomOp):
         layout = kwargs.get("layout", "BNSD")
         if to_bnsd(q, layout).shape[2] == 0 or to_bnsd(k, layout).shape[2] == 0:
             return ["empty sequence: nothing to compute"]
-        return []
+        if kind != "npu":
+            return []
+        v = args[2]
+        reasons = npu.input_reasons(layout, q, k, v)
+        reasons += npu.block_size_reasons(kwargs.get("block_size", 128))
+        reasons += npu.attention_kernel_reasons(to_bnsd(q, layout), to_bnsd(v, layout))
+        return reasons
 
     def _flex(
         self,
@@ -422,19 +511,21 @@ class BlockSparseAttentionOp(CustomOp):
         qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
         heads, kv_heads, dim = int(qb.shape[1]), int(kb.shape[1]), int(qb.shape[3])
         softmax_scale = dim**-0.5 if scale is None else float(scale)
-        out = NPU_ATTENTION.op()(
-            q,
-            k,
-            v,
-            mask.to(torch.int8),
-            counts.to(torch.int32),
+        call = NPU_ATTENTION.resolved()
+        out = call.fn(
+            q.contiguous(),
+            k.contiguous(),
+            v.contiguous(),
+            mask.to(torch.int8).contiguous(),
+            counts.to(torch.int32).contiguous(),
             input_layout=layout,
             sparse_size=block_size,
             num_heads=heads,
             num_key_value_heads=kv_heads,
             scale_value=softmax_scale,
             causal=causal,
-            inner_precise=_NPU_HIGH_PRECISION,
+            # 0 = high precision; fp16 on sgl_kernel_npu has only 1 (high performance).
+            inner_precise=npu.inner_precise(call, q.dtype),
         )
         return out.to(q.dtype)
 
@@ -548,6 +639,7 @@ class BlockSparseAttention(nn.Module):
 
 __all__ = [
     "ATTENTION_TOLERANCE",
+    "NPU_FP16_LOGIT_ATOL",
     "BlockSparseAttention",
     "BlockSparseAttentionOp",
     "EstimateBlockMask",

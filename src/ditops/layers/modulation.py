@@ -39,8 +39,10 @@ Precision:
 
 Paths: ``cpu`` (exact and fast, :mod:`ditops.kernels.cpu.modulation`), ``cuda``/
 ``hip``/``xpu`` through Triton (:mod:`ditops.kernels.triton.modulation`, fast),
-``npu`` through ``attentions.layernorm`` with the modulation folded into its fp32
-affine parameters (fast; per-sample and per-frame modulation), otherwise native.
+``npu`` through the NPU layer norm (:class:`ditops.backends.npu.NpuLayerNorm`: the legacy
+``attentions.layernorm``, else ``F.layer_norm`` run by torch_npu) with the modulation
+folded into its fp32 affine parameters (fast; per-sample and per-frame modulation),
+otherwise native.
 
 The modules :class:`LayerNormScaleShift` and :class:`ScaleResidualLayerNormScaleShift`
 hold a norm's ``weight``/``bias`` under the same state-dict keys as ``nn.LayerNorm``
@@ -57,16 +59,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.backends.npu import attentions_op
+from ditops.backends.npu import NPU_LAYER_NORM
 from ditops.backends.triton import TRITON
 from ditops.custom_op import CustomOp, fast_path, register_op
 from ditops.kernels import modulation_shapes as shapes
 from ditops.kernels.modulation_shapes import Modulation, ModulationArg
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
-NPU_LAYERNORM = attentions_op("layernorm")
-# impl_mode 0 of attentions.layernorm: high precision.
-_NPU_HIGH_PRECISION = 0
 _DEFAULT_EPS = 1e-5  # nn.LayerNorm's
 
 
@@ -236,8 +235,8 @@ def _npu_reasons(call: _Call) -> list[str]:
 
 
 def _npu_norm(call: _Call, h3: torch.Tensor) -> torch.Tensor:
-    """The modulated norm of ``h3`` on the NPU: one ``attentions.layernorm`` per sample
-    or frame, with ``(1 + scale)`` and ``shift`` folded into its fp32 weight and bias."""
+    """The modulated norm of ``h3`` on the NPU: one NPU layer norm per sample or frame,
+    with ``(1 + scale)`` and ``shift`` folded into its fp32 weight and bias."""
     B, L, C = h3.shape
     dev = h3.device
     scale = shapes.modulation_rows(call.mods["scale"], h3, torch.float32)
@@ -253,11 +252,11 @@ def _npu_norm(call: _Call, h3: torch.Tensor) -> torch.Tensor:
         b_all = b_all * s1
     if shift is not None:
         b_all = b_all + shift.float()
-    layernorm = NPU_LAYERNORM.op()
+    layer_norm = NPU_LAYER_NORM.layer_norm
     eps = call.eps
     if w_all.shape[:2] == (1, 1) and b_all.shape[:2] == (1, 1):
         w1, b1 = w_all.reshape(C).contiguous(), b_all.reshape(C).contiguous()
-        return layernorm(h3, [C], w1, b1, eps, _NPU_HIGH_PRECISION)[0].to(call.out_dtype)
+        return layer_norm(h3, [C], w1, b1, eps).to(call.out_dtype)
     G = max(w_all.shape[1], b_all.shape[1])
     seg = L // G
     out = torch.empty((B, L, C), dtype=call.out_dtype, device=dev)
@@ -266,7 +265,7 @@ def _npu_norm(call: _Call, h3: torch.Tensor) -> torch.Tensor:
             wi = w_all[min(i, w_all.shape[0] - 1), min(g, w_all.shape[1] - 1)].contiguous()
             bi = b_all[min(i, b_all.shape[0] - 1), min(g, b_all.shape[1] - 1)].contiguous()
             rows = slice(g * seg, (g + 1) * seg)
-            y = layernorm(h3[i, rows].contiguous(), [C], wi, bi, eps, _NPU_HIGH_PRECISION)[0]
+            y = layer_norm(h3[i, rows].contiguous(), [C], wi, bi, eps)
             out[i, rows].copy_(y)
     return out
 
@@ -343,7 +342,7 @@ class LayerNormScaleShiftOp(_ModulationOp):
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
 
-    @fast_path(backend=NPU_LAYERNORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    @fast_path(backend=NPU_LAYER_NORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
     def forward_npu(self, *args: Any, call: _Call | None = None) -> torch.Tensor:
         call = self._call(*args, call=call)
         return _npu_norm(call, call.x3).reshape(call.shape)
@@ -448,7 +447,7 @@ class ScaleResidualLayerNormScaleShiftOp(_ModulationOp):
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
 
-    @fast_path(backend=NPU_LAYERNORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    @fast_path(backend=NPU_LAYER_NORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
     def forward_npu(
         self, *args: Any, call: _Call | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,0 +1,262 @@
+"""What every model family's patch is made of: options, errors, the record of changes.
+
+A patch changes a model in place through a few kinds of change, each recorded as plain
+data on the model (``model._ditops_patch``) so that :func:`ditops.unpatch` restores the
+very same objects:
+
+* :class:`ModuleSwap`: a child module replaced (a norm by ditops' norm);
+* :class:`ForwardSwap`: a module's forward replaced, *under* the hooks already wrapping
+  it (diffusers' ``HookRegistry`` chain, accelerate's ``_old_forward``), so hooks
+  registered before the patch keep running around the patched forward, as if they had
+  been registered after it;
+* :class:`AttrSet`: an attribute set on an object (an attention processor, a
+  ``cache_context`` that also tells ditops the denoising step);
+* :class:`TorchHook`: a ``torch.nn.Module`` forward pre-hook.
+
+Nothing here holds a closure or a lock: a record references modules and module-level
+callables only, so ``copy.deepcopy(model)`` gives an independent patched copy (the copy's
+record points at the copy's modules) and a patched model pickles (``torch.save``) as long
+as the rest of it does.
+"""
+
+from __future__ import annotations
+
+import types
+from collections.abc import Callable
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
+
+from torch import nn
+
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.config import PRECISIONS
+
+
+class PatchError(ValueError):
+    """The model cannot be patched as asked; nothing was changed."""
+
+
+@dataclass(frozen=True)
+class PatchOptions:
+    """What :func:`ditops.patch` was asked to do, validated when made.
+
+    Attributes:
+        norms: swap norms and, where the family supports it, fuse each block's
+            norm / modulation / residual chain.
+        attention: ``None`` (attention as it is) or a :class:`BlockSparseConfig`.
+        precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION``).
+    """
+
+    norms: bool = True
+    attention: BlockSparseConfig | None = None
+    precision: str | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.norms, bool):
+            raise PatchError(f"patch: norms must be True or False, got {self.norms!r}")
+        if self.attention is not None and not isinstance(self.attention, BlockSparseConfig):
+            hint = ""
+            if isinstance(self.attention, (int, float)) and not isinstance(self.attention, bool):
+                hint = f" (for sparsity {self.attention}: ditops.BlockSparseConfig(sparsity=...))"
+            raise PatchError(
+                "patch: attention must be None or a ditops.BlockSparseConfig, got "
+                f"{type(self.attention).__name__} {self.attention!r}{hint}"
+            )
+        if self.precision is not None and self.precision not in PRECISIONS:
+            raise PatchError(
+                f"patch: precision must be one of {PRECISIONS} or None, got {self.precision!r}"
+            )
+
+    def describe(self) -> str:
+        return ", ".join(f"{f.name}={getattr(self, f.name)!r}" for f in fields(self))
+
+
+# --- the changes a patch makes ------------------------------------------------------------
+
+
+@dataclass
+class ModuleSwap:
+    """``parent.<name>`` was ``original``."""
+
+    parent: nn.Module
+    name: str
+    original: nn.Module
+
+    def undo(self) -> None:
+        setattr(self.parent, self.name, self.original)
+
+
+_MISSING = object()
+
+
+@dataclass
+class AttrSet:
+    """``obj.<name>`` was ``old`` (``had`` False: it was not set on the object itself)."""
+
+    obj: Any
+    name: str
+    had: bool
+    old: Any = None
+
+    @classmethod
+    def apply(cls, obj: Any, name: str, value: Any) -> AttrSet:
+        """Set ``obj.<name> = value`` and return the change that undoes it."""
+        old = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
+        change = cls(obj, name, old is not _MISSING, None if old is _MISSING else old)
+        setattr(obj, name, value)
+        return change
+
+    def undo(self) -> None:
+        if self.had:
+            setattr(self.obj, self.name, self.old)
+        else:
+            vars(self.obj).pop(self.name, None)
+
+
+@dataclass
+class TorchHook:
+    """A forward pre-hook registered on ``module`` under ``hook_id``."""
+
+    module: nn.Module
+    hook_id: int
+
+    def undo(self) -> None:
+        self.module._forward_pre_hooks.pop(self.hook_id, None)
+        self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+
+
+@dataclass
+class ForwardSwap:
+    """``module``'s own forward was replaced by ``patched`` wherever it is called from."""
+
+    module: nn.Module
+    patched: Callable[..., Any]
+    original: Callable[..., Any] | None  # None: the class's forward (nothing on the instance)
+
+    def undo(self) -> None:
+        # Hooks registered after the patch captured the patched forward: every slot that
+        # holds it gets the original back (the class's forward, bound, if there was none).
+        original = self.original
+        if original is None:
+            original = types.MethodType(type(self.module).forward, self.module)
+        for holder, attr in _forward_slots(self.module):
+            if getattr(holder, attr, None) is self.patched:
+                if holder is self.module and attr == "forward" and self.original is None:
+                    vars(self.module).pop("forward", None)
+                else:
+                    setattr(holder, attr, original)
+
+
+Change = ModuleSwap | AttrSet | TorchHook | ForwardSwap
+
+
+@dataclass
+class PatchRecord:
+    """What a patch changed on one model, to undo it exactly (plain data, see module doc)."""
+
+    options: PatchOptions
+    family: str
+    changes: list[Change] = field(default_factory=list)
+    summary: dict[str, int] = field(default_factory=dict)
+
+    def add(self, change: Change) -> None:
+        self.changes.append(change)
+
+    def count(self, what: str, n: int = 1) -> None:
+        self.summary[what] = self.summary.get(what, 0) + n
+
+    def undo(self) -> None:
+        for change in reversed(self.changes):
+            change.undo()
+        self.changes.clear()
+
+
+# --- replacing a forward under whatever wraps it --------------------------------------------
+
+
+def _forward_slots(module: nn.Module) -> list[tuple[Any, str]]:
+    """Every place a call of ``module`` may find its own forward: the instance attribute,
+    accelerate's ``_old_forward`` and each link of a diffusers hook chain."""
+    slots: list[tuple[Any, str]] = [(module, "forward"), (module, "_old_forward")]
+    registry = vars(module).get("_diffusers_hook")
+    for ref in getattr(registry, "_fn_refs", ()) or ():
+        slots.extend([(ref, "forward"), (ref, "original_forward")])
+    return slots
+
+
+def forward_wrapper_problem(module: nn.Module, where: str) -> str | None:
+    """Why the forward of ``module`` cannot be replaced under its wrappers, or None."""
+    if not _innermost_slot(module) and "forward" in vars(module):
+        wrapper = vars(module)["forward"]
+        return (
+            f"{where}.forward is replaced by something ditops does not know "
+            f"({getattr(wrapper, '__qualname__', type(wrapper).__name__)}); ditops patches "
+            "under diffusers hooks and accelerate hooks only: apply ditops.patch first"
+        )
+    return None
+
+
+def _innermost_slot(module: nn.Module) -> tuple[Any, str] | None:
+    """The slot holding the module's own forward under hooks, if it is wrapped by any."""
+    registry = vars(module).get("_diffusers_hook")
+    refs = getattr(registry, "_fn_refs", None) or []
+    if refs:
+        ref = refs[0]  # the first hook registered wraps the module's own forward
+        attr = "original_forward" if ref.original_forward is not None else "forward"
+        return ref, attr
+    if "_old_forward" in vars(module) and hasattr(module, "_hf_hook"):
+        return module, "_old_forward"  # accelerate's add_hook_to_module
+    return None
+
+
+def replace_forward(module: nn.Module, patched: Callable[..., Any], record: PatchRecord) -> None:
+    """Make ``patched`` the module's own forward, under any hook wrapping it.
+
+    Call :func:`forward_wrapper_problem` first (in the family's check): this assumes the
+    module's forward is either the class's or wrapped by known hooks.
+    """
+    slot = _innermost_slot(module)
+    if slot is None:
+        original = vars(module).get("forward")
+        module.forward = patched  # type: ignore[method-assign]
+    else:
+        holder, attr = slot
+        original = getattr(holder, attr)
+        setattr(holder, attr, patched)
+    record.add(ForwardSwap(module, patched, original))
+
+
+# --- model families ---------------------------------------------------------------------------
+
+
+class ModelFamily(Protocol):
+    """One kind of model ditops knows how to patch (one module per family)."""
+
+    #: Shown in reports and errors, e.g. ``"wan"``.
+    name: str
+
+    def recognise(self, model: nn.Module) -> bool:
+        """Whether ``model`` belongs to this family."""
+        ...
+
+    def check(self, model: nn.Module, options: PatchOptions) -> Any:
+        """Everything the patch relies on, checked before any change; returns a plan.
+
+        Raises :class:`PatchError` naming every problem; changes nothing.
+        """
+        ...
+
+    def apply(
+        self, model: nn.Module, plan: Any, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Patch in place, recording every change on ``record``."""
+        ...
+
+
+def refuse(model: nn.Module, problems: list[str]) -> None:
+    """Raise the PatchError listing ``problems`` (at most 8), if there are any."""
+    if problems:
+        listed = "\n  - ".join(problems[:8]) + ("\n  - ..." if len(problems) > 8 else "")
+        raise PatchError(
+            f"ditops.patch refuses this {type(model).__name__}; nothing was changed:\n  - {listed}"
+        )
