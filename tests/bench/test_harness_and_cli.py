@@ -95,9 +95,11 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     result = wan.run(torch.device("cpu"), "small", progress=False, plot_path=str(plot))
     summary = {s["variant"]: s for s in result["summary"]}
     assert summary["norms exact"]["bitwise_equal"]  # the exact patch changes no bit
-    assert (
-        not summary["sparse 0.75"]["bitwise_equal"] and summary["sparse 0.75"]["min_cosine"] > 0.9
-    )
+    # The forced blocks (first frame, sink, recent) cover this tiny map, so the sparse step
+    # selects every block and may equal dense bit for bit (the CPU path runs SDPA on the
+    # gathered blocks): check that it ran sparse and stays close.
+    assert [r["dense"] for r in result["rows"] if r["variant"] == "sparse 0.75"] == [True, False]
+    assert summary["sparse 0.75"]["min_cosine"] > 0.9
     assert [r["dense"] for r in result["rows"] if r["variant"] == "sparse 0.5"] == [True, False]
     assert set(summary["unpatched"]["mean_sections"]) == set(wan.SECTIONS.values())
     assert result["video_tokens"] == 2 * 16 * 16
