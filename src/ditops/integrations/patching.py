@@ -21,13 +21,14 @@ from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.base import ModelFamily, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.flux import FluxFamily
 from ditops.integrations.norms import GenericFamily
 from ditops.integrations.wan import WanFamily
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
-FAMILIES: tuple[ModelFamily, ...] = (WanFamily(), GenericFamily())
+FAMILIES: tuple[ModelFamily, ...] = (WanFamily(), FluxFamily(), GenericFamily())
 
 
 class _Unset:
