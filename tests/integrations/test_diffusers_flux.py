@@ -24,7 +24,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
 from ditops.integrations import flux as flux_integration
-from tests.integrations.spies import spy_forward_cpu
+from tests.integrations.spies import install_spies, spy_forward_cpu
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -345,3 +345,25 @@ def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None)
         again = run(compiled, **x)
     assert torch.equal(first, again)
     assert torch.equal(first, run(tiny_flux(num_layers=1, num_single_layers=1), **x))
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched model with every fused op on its Triton path (CPU tensors through
+    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
+    precision, against the unpatched model; attention itself runs diffusers' SDPA."""
+    model = tiny_flux(num_layers=1, num_single_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            from ditops.layers import adaln, qk_norm_rope
+
+            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, qk_norm_rope.QKNormRopeOp)
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "qk_norm_rope": 3}
+    assert rel_err(out, ref) <= FAST_REL_TOL
