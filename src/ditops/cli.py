@@ -77,11 +77,11 @@ def _bench(args: argparse.Namespace) -> int:
 
     suites = all_suites()
     names = args.suites or ["wan"]
-    unknown = [n for n in names if n not in suites and n != "wan"]
+    unknown = [n for n in names if n not in suites and n not in ("wan", "flux")]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: wan, {', '.join(sorted(suites))}",
+            f"available: wan, flux, {', '.join(sorted(suites))}",
             file=sys.stderr,
         )
         return 2
@@ -110,6 +110,11 @@ def _bench(args: argparse.Namespace) -> int:
             except ModelLoadError as exc:  # --model PATH that cannot be loaded
                 print(f"ditops bench: {exc}", file=sys.stderr)
                 return 2
+            continue
+        if name == "flux":  # a small FLUX model end to end (needs diffusers)
+            from ditops.bench import flux
+
+            payload["flux"] = flux.cli(device, args.size, not args.no_progress)
             continue
         suite = suites[name]
         where = f", malloc {malloc}" if malloc else ""
@@ -220,7 +225,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suites",
         nargs="*",
-        help="wan (the default: a small Wan model end to end), layer_norm, modulation, attention",
+        help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
+        "layer_norm, modulation, attention",
     )
     bench.add_argument(
         "--size",

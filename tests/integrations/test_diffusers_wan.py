@@ -19,6 +19,7 @@ from ditops.bench.wan import cast_like_from_pretrained
 from ditops.integrations import PatchError, set_step
 from ditops.integrations.base import ModuleSwap
 from ditops.layers.norm import FP32LayerNorm
+from tests.integrations.spies import spy_forward_cpu
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -76,25 +77,15 @@ def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
     from ditops.layers import modulation
 
-    calls: dict[str, int] = {}
-    for cls in (
-        modulation.LayerNormScaleShiftOp,
-        modulation.GatedResidualOp,
-        modulation.ScaleResidualLayerNormScaleShiftOp,
-        FP32LayerNorm,
-    ):
-        original = cls.forward_cpu
-
-        def spy(self, *a, _original=original, _name=cls.op_name, **k):
-            calls[_name] = calls.get(_name, 0) + 1
-            return _original(self, *a, **k)
-
-        spy._ditops_path = original._ditops_path  # type: ignore[attr-defined]
-        monkeypatch.setattr(cls, "forward_cpu", spy)
-        cls._plans = {}
-    yield calls
-    for cls in ditops.registered_ops().values():
-        cls._plans = {}
+    yield from spy_forward_cpu(
+        monkeypatch,
+        (
+            modulation.LayerNormScaleShiftOp,
+            modulation.GatedResidualOp,
+            modulation.ScaleResidualLayerNormScaleShiftOp,
+            FP32LayerNorm,
+        ),
+    )
 
 
 @pytest.mark.parametrize("keep_fp32", [False, True], ids=["to_bf16", "fp32_modules"])
