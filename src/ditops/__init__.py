@@ -10,6 +10,7 @@ from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
 from ditops.integrations import PatchError, patch, set_step, unpatch
+from ditops.layers.adaln import adaln_modulate, adaln_residual, adaln_residual_modulate
 from ditops.layers.attention import (
     BlockSparseAttention,
     block_sparse_attention,
@@ -32,6 +33,9 @@ __all__ = [
     "BlockSparseConfig",
     "LayerNormScaleShift",
     "RMSNorm",
+    "adaln_modulate",
+    "adaln_residual",
+    "adaln_residual_modulate",
     "ScaleResidualLayerNormScaleShift",
     "block_sparse_attention",
     "estimate_block_mask",

@@ -2,6 +2,7 @@
 
 ditops info [--json] [--precision fast|exact]
 ditops bench [SUITE ...] [--size small|full] [--device DEV] [--json PATH] [--no-progress]
+             [--malloc both|current]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
 
@@ -11,6 +12,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -63,18 +65,26 @@ def _info(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from ditops.bench.harness import machine_info, print_table, ratios, run_cases, write_json
+    from ditops.bench.harness import (
+        machine_info,
+        malloc_state,
+        print_malloc_summary,
+        print_table,
+        ratios,
+        run_cases,
+        write_json,
+    )
     from ditops.bench.suites import all_suites
 
     if args.parallel:
         return _bench_parallel(args)
     suites = all_suites()
     names = args.suites or ["wan"]
-    unknown = [n for n in names if n not in suites and n != "wan"]
+    unknown = [n for n in names if n not in suites and n not in ("wan", "flux")]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: wan, {', '.join(sorted(suites))}",
+            f"available: wan, flux, {', '.join(sorted(suites))}",
             file=sys.stderr,
         )
         return 2
@@ -82,7 +92,8 @@ def _bench(args: argparse.Namespace) -> int:
     # Every shape of a suite compiles its torch.compile baseline once; past dynamo's
     # default limit of 8 recompiles it would silently run eager and flatter ditops.
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, 256)
-    results = []
+    malloc = malloc_state() if device.type == "cpu" else None
+    rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
     for name in names:
         if name == "wan":
@@ -103,27 +114,36 @@ def _bench(args: argparse.Namespace) -> int:
                 print(f"ditops bench: {exc}", file=sys.stderr)
                 return 2
             continue
+        if name == "flux":  # a small FLUX model end to end (needs diffusers)
+            from ditops.bench import flux
+
+            payload["flux"] = flux.cli(device, args.size, not args.no_progress)
+            continue
         suite = suites[name]
+        where = f", malloc {malloc}" if malloc else ""
         print(
-            f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}", file=sys.stderr
+            f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}{where}",
+            file=sys.stderr,
         )
-        results.extend(
-            run_cases(
-                suite.cases(device, args.size),
-                device,
-                n_steps=suite.steps(args.size),
-                desc=name,
-                progress=not args.no_progress,
-                min_seconds=args.min_seconds,
-            )
+        results = run_cases(
+            suite.cases(device, args.size),
+            device,
+            n_steps=suite.steps(args.size),
+            desc=name,
+            progress=not args.no_progress,
+            min_seconds=args.min_seconds,
         )
-    if results:
-        payload["rows"] = ratios(results)
-        print_table(payload["rows"])
+        rows.extend(ratios(list(results), malloc=malloc))
+        if malloc and suite.malloc_states and args.malloc == "both" and _glibc():
+            rows.extend(_bench_other_malloc_state(args, name, malloc))
+    if rows:
+        payload["rows"] = rows
+        print_table(rows)
+        print_malloc_summary(rows)
         if "attention" in names:
             from ditops.bench import attention
 
-            payload["attention_summary"] = attention.summary(payload["rows"])
+            payload["attention_summary"] = attention.summary(rows)
             attention.print_summary(payload["attention_summary"])
         if "qk_norm_rope" in names:
             from ditops.bench import qk_norm_rope
@@ -156,6 +176,40 @@ def _bench_parallel(args: argparse.Namespace) -> int:
     except (parallel.LaunchError, ModelLoadError) as exc:
         print(f"ditops bench: {exc}", file=sys.stderr)
         return 2
+
+
+def _glibc() -> bool:
+    import platform
+
+    return platform.libc_ver()[0] == "glibc"
+
+
+def _bench_other_malloc_state(
+    args: argparse.Namespace, name: str, current: str
+) -> list[dict[str, Any]]:
+    """Suite ``name`` run again by a child ``ditops bench`` in the other malloc state."""
+    from ditops.bench import harness
+
+    other = "grows" if current == "fixed" else "fixed"
+    print(
+        f"ditops bench: {name} again in a child process, malloc {other} "
+        f"({harness.MALLOC_STATES[other]})",
+        file=sys.stderr,
+    )
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "rows.json")
+        argv = [sys.executable, "-m", "ditops", "bench", name, "--size", args.size]
+        argv += ["--device", "cpu", "--min-seconds", str(args.min_seconds)]
+        argv += ["--malloc", "current", "--json", path]
+        if args.no_progress:
+            argv.append("--no-progress")
+        status = harness.run_child(argv, harness.malloc_env(other))
+        if status != 0:
+            print(f"ditops bench: the {other} run of {name} failed ({status})", file=sys.stderr)
+            return []
+        with open(path, encoding="utf-8") as f:
+            rows: list[dict[str, Any]] = json.load(f)["rows"]
+    return rows
 
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -196,7 +250,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument(
         "suites",
         nargs="*",
-        help="wan (the default: a small Wan model end to end), layer_norm, modulation, attention",
+        help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
+        "layer_norm, modulation, attention",
     )
     bench.add_argument(
         "--size",
@@ -229,6 +284,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--malloc",
+        choices=("both", "current"),
+        default="both",
+        help="CPU suites that allocate per block (layer_norm, modulation): also run them in a "
+        "child process in the other glibc malloc state (both, the default), or not (current)",
+    )
     return parser
 
 

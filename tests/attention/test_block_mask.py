@@ -102,17 +102,18 @@ def test_causal_candidates_are_top_left_aligned() -> None:
 
 
 @pytest.mark.parametrize("causal", [False, True])
-def test_flex_block_mask_lists_selected_blocks_as_partial(causal: bool) -> None:
+def test_flex_block_mask_lists_selected_blocks_as_full(causal: bool) -> None:
     mask, counts = random_mask(1, 2, 8, 8, seed=3)
     bm = to_flex_block_mask(mask, counts, q_len=1000, kv_len=1000, block_size=128, causal=causal)
-    assert torch.equal(bm.kv_num_blocks, counts)
-    assert bm.full_kv_num_blocks is None  # full blocks break CPU compilation in torch 2.13
     assert bm.seq_lengths == (1000, 1000) and bm.BLOCK_SIZE == (128, 128)
     for n in range(2):
         for r in range(8):
-            c = int(counts[0, n, r])
             selected = mask[0, n, r].nonzero().flatten().tolist()
-            assert bm.kv_indices[0, n, r, :c].tolist() == selected
+            full = [j for j in selected if j < r] if causal else selected
+            partial = [j for j in selected if j == r] if causal else []
+            c, cf = int(bm.kv_num_blocks[0, n, r]), int(bm.full_kv_num_blocks[0, n, r])
+            assert bm.full_kv_indices[0, n, r, :cf].tolist() == full
+            assert bm.kv_indices[0, n, r, :c].tolist() == partial
     q = torch.arange(4)[:, None]
     kv = torch.arange(4)[None, :]
     zero = torch.tensor(0)
@@ -127,7 +128,7 @@ def test_flex_block_mask_drops_padding_columns() -> None:
     padded = torch.zeros(1, 1, 2, 32, dtype=torch.int8)
     padded[..., :2] = mask
     bm = to_flex_block_mask(padded.bool(), counts, q_len=200, kv_len=200, block_size=128)
-    assert bm.kv_indices.shape[-1] == 2
+    assert bm.full_kv_indices.shape[-1] == 2 and bm.kv_indices.shape[-1] == 2
 
 
 def test_density_counts_partial_blocks_at_their_size() -> None:

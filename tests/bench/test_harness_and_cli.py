@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import json
 import math
+import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
 
 from ditops import cli
-from ditops.bench import wan
+from ditops.bench import harness, suites, wan
 from ditops.bench.harness import Case, ratios, run_cases
 
 
@@ -34,6 +37,8 @@ def test_ratios_from_one_run() -> None:
     )
     assert rows["clone"]["of_clone_bw"] == pytest.approx(1.0)
     assert rows["fast"]["vs_compile"] is None  # no compile variant in this case
+    assert all(r["cpu_ms"] >= 0 for r in rows.values())
+    assert rows["native"]["vs_native_cpu"] == pytest.approx(1.0)
 
 
 def test_a_failing_variant_is_reported_not_fatal() -> None:
@@ -90,9 +95,11 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     result = wan.run(torch.device("cpu"), "small", progress=False, plot_path=str(plot))
     summary = {s["variant"]: s for s in result["summary"]}
     assert summary["norms exact"]["bitwise_equal"]  # the exact patch changes no bit
-    assert (
-        not summary["sparse 0.75"]["bitwise_equal"] and summary["sparse 0.75"]["min_cosine"] > 0.9
-    )
+    # The forced blocks (first frame, sink, recent) cover this tiny map, so the sparse step
+    # selects every block and may equal dense bit for bit (the CPU path runs SDPA on the
+    # gathered blocks): check that it ran sparse and stays close.
+    assert [r["dense"] for r in result["rows"] if r["variant"] == "sparse 0.75"] == [True, False]
+    assert summary["sparse 0.75"]["min_cosine"] > 0.9
     assert [r["dense"] for r in result["rows"] if r["variant"] == "sparse 0.5"] == [True, False]
     assert set(summary["unpatched"]["mean_sections"]) == set(wan.SECTIONS.values())
     assert result["video_tokens"] == 2 * 16 * 16
@@ -207,3 +214,73 @@ def test_version(capsys) -> None:
         cli.main(["--version"])
     assert info.value.code == 0
     assert capsys.readouterr().out.strip() == f"ditops {ditops.__version__}"
+
+
+# --- both glibc malloc states -------------------------------------------------------------
+
+
+def test_malloc_state_and_env() -> None:
+    assert harness.malloc_state({}) == "grows"
+    assert harness.malloc_state({"MALLOC_MMAP_THRESHOLD_": "131072"}) == "fixed"
+    assert harness.malloc_state({"GLIBC_TUNABLES": "glibc.malloc.top_pad=0"}) == "fixed"
+    assert harness.malloc_state({"GLIBC_TUNABLES": "glibc.malloc.tcache_count=0"}) == "grows"
+    base = {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=4096:glibc.x.y=1"}
+    fixed = harness.malloc_env("fixed", base)
+    assert fixed["MALLOC_MMAP_THRESHOLD_"] == "131072" and fixed["PATH"] == "/bin"
+    assert fixed["GLIBC_TUNABLES"] == "glibc.x.y=1"
+    grows = harness.malloc_env("grows", {**base, "MALLOC_MMAP_THRESHOLD_": "131072"})
+    assert "MALLOC_MMAP_THRESHOLD_" not in grows and harness.malloc_state(grows) == "grows"
+    with pytest.raises(ValueError, match="malloc state must be one of"):
+        harness.malloc_env("huge")
+
+
+def _toy_cases(device: torch.device, size: str) -> Iterator[Case]:
+    x = torch.randn(64, 64)
+    yield Case(
+        suite="toy_alloc",
+        name="64x64",
+        variants={"native": lambda: x * 2, "exact": lambda: x + x, "clone": x.clone},
+        bytes_moved=2 * x.numel() * 4,
+    )
+
+
+@pytest.mark.parametrize("mode", ["both", "current"])
+def test_bench_runs_malloc_suites_in_both_states(
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+    mode: str,
+) -> None:
+    toy = suites.Suite("toy_alloc", "toy", _toy_cases, lambda size: 3, malloc_states=True)
+    monkeypatch.setitem(suites._SUITES, "toy_alloc", toy)
+    monkeypatch.setattr(cli, "_glibc", lambda: True)
+    here = harness.malloc_state()
+    other = "grows" if here == "fixed" else "fixed"
+    children: list[list[str]] = []
+
+    def child(argv: list[str], env: dict[str, str]) -> int:
+        # The child ``python -m ditops bench``, run in this process in the child's state.
+        assert argv[:4] == [sys.executable, "-m", "ditops", "bench"]
+        assert harness.malloc_state(env) == other
+        children.append(argv)
+        with pytest.MonkeyPatch.context() as mp:
+            for key in ("MALLOC_MMAP_THRESHOLD_", "GLIBC_TUNABLES"):
+                if key in env:
+                    mp.setenv(key, env[key])
+                else:
+                    mp.delenv(key, raising=False)
+            return cli.main(argv[3:])
+
+    monkeypatch.setattr(harness, "run_child", child)
+    out_json = tmp_path / "bench.json"
+    argv = ["bench", "toy_alloc", "--min-seconds", "0", "--no-progress", "--malloc", mode]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    rows = json.loads(out_json.read_text())["rows"]
+    text = capsys.readouterr().out.split("== toy_alloc")[-1]  # the parent's table
+    if mode == "current":
+        assert children == [] and {r["malloc"] for r in rows} == {here}
+        return
+    assert len(children) == 1 and children[0][children[0].index("--malloc") + 1] == "current"
+    assert [r["malloc"] for r in rows] == [here] * 3 + [other] * 3
+    assert all(r["vs_native"] > 0 for r in rows)
+    assert f"(malloc: {other}," in text and "x native in each malloc state" in text

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.kernels import modulation_shapes as shapes
+from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu import modulation as K
 from tests.precision import assert_exact, assert_fast
 
@@ -24,10 +25,16 @@ EPS = 1e-6
 ATOL = 1e-5
 
 
-@pytest.fixture
-def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
-    # 5 rows per block: blocks straddle frames (4 tokens each) and end raggedly.
+@pytest.fixture(params=["whole", "pieces"])
+def small_blocks(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Both plans of the blocked kernels. ``whole``: 5 rows per block, one LayerNorm call
+    per block (blocks straddle frames of 4 tokens and end raggedly). ``pieces``: what a
+    fresh-pages allocator gets, LayerNorm on pieces of 2 fp32 rows (4 low-precision ones)."""
     monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * C * 5)
+    pieces = request.param == "pieces"
+    monkeypatch.setattr(blocks, "PIECE_BYTES", 4 * C * 2)
+    monkeypatch.setattr(blocks, "_MIN_BLOCKS", 1)
+    monkeypatch.setattr(blocks, "fresh_pages", lambda nbytes: pieces)
 
 
 def _rnd(*shape: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -265,6 +272,53 @@ def test_fast_folds_one_layer_norm_call_for_shared_modulation(
         x, None, None, _rnd(1, 1, C), _rnd(C).view(1, 1, C), EPS, x.dtype, False
     )
     assert calls == [torch.Size([B, L, C])]
+
+
+# --- both LayerNorm plans give the same bits ----------------------------------------------
+
+
+@pytest.mark.parametrize("mix", DTYPE_MIXES, ids=MIX_IDS)
+def test_fast_is_the_same_with_either_plan(
+    monkeypatch: pytest.MonkeyPatch, mix: tuple[torch.dtype, torch.dtype]
+) -> None:
+    # Fast mode is not eager's bits, but the plan (a LayerNorm call per block or per
+    # piece) must not change them. 30 tokens in 3 frames, blocks of up to 12 rows, pieces
+    # of 2 fp32 rows or 4 low-precision ones (the folded LayerNorm): ragged pieces too.
+    act, mod = mix
+    nb, nl, nf = 2, 30, 3
+    monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * C * 13)
+    monkeypatch.setattr(blocks, "PIECE_BYTES", 4 * C * 2)
+    monkeypatch.setattr(blocks, "_MIN_BLOCKS", 1)
+    plan = {"fresh": False}
+    monkeypatch.setattr(blocks, "fresh_pages", lambda nbytes: plan["fresh"])
+    shaped: dict[str, tuple[int, ...]] = {
+        "python": (),
+        "zero_dim": (),
+        "vector": (C,),
+        "batch": (nb, 1, C),
+        "shared": (1, 1, C),
+        "token": (nb, nl, C),
+        "frame": (nb, nf, 1, C),
+    }
+    residual, x = torch.randn(nb, nl, C).to(act), torch.randn(nb, nl, C).to(act)
+    w, b = _affine(True)
+    for kind, shape in shaped.items():
+        g, s, t = (
+            0.3 if kind == "python" else (torch.randn(shape) * 0.5).to(mod) for _ in range(3)
+        )
+        ops = _operands(x, gate=g, scale=s, shift=t)
+        args = (ops["scale"], ops["shift"], EPS, act, False)
+        results = []
+        for fresh in (False, True):
+            plan["fresh"] = fresh
+            results.append(
+                (
+                    K.layer_norm_scale_shift(x, w, b, *args),
+                    *K.scale_residual_layer_norm_scale_shift(residual, x, ops["gate"], w, b, *args),
+                )
+            )
+        for whole, pieces in zip(*results, strict=True):
+            assert_exact(pieces, whole)
 
 
 # --- the custom ops ---------------------------------------------------------------------

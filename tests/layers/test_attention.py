@@ -1,10 +1,12 @@
 """Block-sparse attention ops and layer: every path against forward_native.
 
-FlexAttention compiles once per shape (~15 s on 2 cores), so the CPU/CUDA tests share
-two compiled shapes: ``SHAPE_A`` (fp32, GQA 4/2, 1000 tokens, not causal: the video
-path, with the element mask skipped) and ``SHAPE_B`` (bf16, GQA 2/1, 4097 tokens,
-causal). The ``cuda`` path runs FlexAttention on CPU tensors under
-``force_device_kind({"cpu": "cuda"})``. The NPU paths run against the kernels of
+The ``cpu`` path (gathered keys + SDPA, no compile) is tested in depth in
+tests/kernels/test_cpu_block_sparse_attention.py; here it runs next to the ``cuda``
+path, which runs FlexAttention on CPU tensors under ``force_device_kind({"cpu":
+"cuda"})``. FlexAttention compiles once per shape (~15 s on 2 cores), so the cuda tests
+share two compiled shapes: ``SHAPE_A`` (fp32, GQA 4/2, 1000 tokens, not causal: the
+video path, with the element mask skipped) and ``SHAPE_B`` (bf16, GQA 2/1, 4097 tokens,
+causal). The NPU paths run against the kernels of
 tests/doubles/npu_sparse_attention.py, registered by the doubles of the legacy
 ``attentions`` package and of the current ``sgl_kernel_npu`` (each with its own argument
 checks), alone or together.
@@ -80,11 +82,11 @@ def assert_attention_close(out: torch.Tensor, ref: torch.Tensor, v: torch.Tensor
     assert bool((err <= bound).all()), f"max error {err.max()}, bound {bound.min()}"
 
 
-# --- cpu and cuda: compiled FlexAttention -----------------------------------------------
+# --- cpu (gathered SDPA) and cuda (compiled FlexAttention) -------------------------------
 
 
 @pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_flex_paths_match_native(
+def test_cpu_and_cuda_paths_match_native(
     kind: str, caplog: pytest.LogCaptureFixture, ditops_warnings
 ) -> None:
     q, k, v = qkv(**SHAPE_A)
@@ -93,7 +95,7 @@ def test_flex_paths_match_native(
     forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
     with forced, torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts)
-        # BSND: the same compiled shape (inputs are made contiguous BNSD inside).
+        # BSND: for FlexAttention the same compiled shape (made contiguous BNSD inside).
         out_bsnd = block_sparse_attention(*bsnd(q, k, v), mask, counts, layout="BSND")
         chosen = block_sparse_attention.explain_call(q, k, v, mask, counts).chosen
     assert chosen == f"forward_{kind}"
@@ -159,11 +161,16 @@ def test_nan_propagates_inside_a_compiled_graph() -> None:
     assert_attention_close(clean, native_attention(clean_q, k, v, mask, counts), v)
 
 
-def test_flex_causal_bf16_odd_length() -> None:
+@pytest.mark.parametrize("kind", ["cpu", "cuda"])
+def test_causal_bf16_odd_length(kind: str) -> None:
     q, k, v = qkv(**SHAPE_B)
     mask, counts = random_mask(1, 2, 33, 33, seed=2)
-    with torch.no_grad():
+    forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
+    with forced, torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts, causal=True)
+        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+            f"forward_{kind}"
+        )
     want = native_attention(q, k, v, mask, counts, causal=True)
     assert_attention_close(out, want, v)
 
@@ -647,7 +654,7 @@ def test_layer_needs_the_step_when_warming_up() -> None:
 
 
 def test_layer_uses_the_cpu_fast_path() -> None:
-    q, k, v = qkv(**SHAPE_A)  # the compiled shape of test_flex_paths_match_native
+    q, k, v = qkv(**SHAPE_A)
     layer = BlockSparseAttention(sparsity=0.5)
     with torch.no_grad():
         out = layer(q, k, v)

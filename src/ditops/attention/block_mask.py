@@ -128,30 +128,46 @@ def to_flex_block_mask(
 ) -> BlockMask:
     """The FlexAttention ``BlockMask`` selecting the same blocks (forward only).
 
-    Every selected block is passed as a *partial* block: torch 2.13's CPU FlexAttention
-    fails to compile when given full blocks (field notes). Partial and full blocks give
-    the same result; full ones only skip ``mask_mod``. Causal adds ``q >= kv`` as the
-    ``mask_mod``; otherwise there is none (FlexAttention never reads past ``kv_len``).
-    No query-side indices are built (``compute_q_blocks=False``): no backward.
+    Selected blocks are passed as *full* blocks, which skip ``mask_mod`` (FlexAttention
+    still stops at ``kv_len``). Under ``causal`` the blocks left of the diagonal are
+    full, the diagonal block is partial (``mask_mod`` is ``q >= kv``) and the blocks
+    right of it, which no query sees, are dropped. Measured on CPU
+    (``benchmarks/cpu/probes/sparse_attention_cpu.py --flex-options``): the same speed as
+    partial blocks without ``causal``, about twice as fast with it. torch 2.13 compiles
+    full blocks on CPU, whatever an earlier note said (minimal repro:
+    ``benchmarks/cpu/probes/flex_full_blocks.py``; the ``cuda``-path tests compile them
+    on CPU tensors too). No query-side indices are built (``compute_q_blocks=False``):
+    no backward.
+
+    ``counts`` are the row sums of ``mask`` (validated by the op); the block lists are
+    rebuilt from ``mask`` here.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
     kv_blocks = num_blocks(kv_len, block_size)
-    dense = mask[..., :kv_blocks]
-    if dense.dtype == torch.bool:
-        dense = dense.to(torch.int8)
-    # Selected block ids first, in ascending order (stable sort of 1s before 0s); the
-    # entries past counts are never read.
-    indices = torch.argsort(dense, dim=-1, descending=True, stable=True).to(torch.int32)
-    mask_mod = _causal_mask_mod if causal else None
+    full = mask[..., :kv_blocks].to(torch.int8)
+    partial = torch.zeros_like(full)
+    if causal:
+        rows = torch.arange(full.shape[-2], device=full.device)[:, None]
+        cols = torch.arange(kv_blocks, device=full.device)[None, :]
+        partial = full * (cols == rows)
+        full = full * (cols < rows)
     return BlockMask.from_kv_blocks(
-        counts.to(torch.int32).contiguous(),
-        indices,
+        row_counts(partial),
+        _selected_first(partial),
+        row_counts(full),
+        _selected_first(full),
         BLOCK_SIZE=block_size,
-        mask_mod=mask_mod,
+        mask_mod=_causal_mask_mod if causal else None,
         seq_lengths=(q_len, kv_len),
         compute_q_blocks=False,
     )
+
+
+def _selected_first(mask: torch.Tensor) -> torch.Tensor:
+    """int32 block ids per row, selected ones first in ascending order (a stable sort of
+    the 1s before the 0s); the entries past the row's count are never read."""
+    return torch.argsort(mask, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
 def _causal_mask_mod(

@@ -5,13 +5,21 @@ same thing (``native``, ``compile``, ``exact``, ``fast``, ...) and a ``clone`` o
 bytes (the memory roofline). Every variant of a case is timed in the same run, so the
 report gives ratios (speedup over native, over ``torch.compile``, fraction of the clone's
 bandwidth) rather than lone absolute times, which on shared machines mean little.
+
+On CPU the speed of kernels that allocate per block of rows depends on glibc's malloc
+state (see :mod:`ditops.kernels.cpu.blocks`), which is fixed for a process at start-up:
+rows carry the state they were measured in (``malloc``: ``grows``, glibc's default, where
+the mmap threshold grows after large frees, or ``fixed``), and ``ditops bench`` re-runs
+such suites in a child process in the other state (:func:`malloc_env`).
 """
 
 from __future__ import annotations
 
 import json
+import os
 import platform
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -46,6 +54,7 @@ class Result:
     params: dict[str, Any]
     bytes_moved: int = 0
     error: str = ""
+    cpu_s: float = float("nan")
 
     @property
     def gbps(self) -> float:
@@ -69,21 +78,26 @@ def time_call(
     min_reps: int = 5,
     min_seconds: float = 0.5,
     max_reps: int = 200,
-) -> tuple[float, float, int]:
-    """Median and minimum seconds of ``fn()``, after ``warmup`` calls (compiles, caches)."""
+) -> tuple[float, float, int, float]:
+    """Median and minimum seconds of ``fn()``, after ``warmup`` calls (compiles, caches),
+    the number of calls timed, and the median CPU seconds of a call (user + system, all
+    threads of the process: on a shared machine the wall time mostly measures waiting for
+    a core, the CPU time what the call did)."""
     for _ in range(warmup):
         fn()
     _sync(device)
     times: list[float] = []
+    cpu: list[float] = []
     start = time.perf_counter()
     while len(times) < min_reps or (
         time.perf_counter() - start < min_seconds and len(times) < max_reps
     ):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times), min(times), len(times)
+        cpu.append(time.process_time() - c0)
+    return statistics.median(times), min(times), len(times), statistics.median(cpu)
 
 
 class Progress:
@@ -136,15 +150,11 @@ def run_cases(
             for variant, fn in case.variants.items():
                 bar.step(f"{case.name} {variant}")
                 try:
-                    med, best, reps = time_call(fn, device, min_seconds=min_seconds)
+                    med, best, reps, cpu = time_call(fn, device, min_seconds=min_seconds)
                     error = ""
                 except Exception as exc:  # noqa: BLE001 - one failing variant must not end the run
-                    med, best, reps, error = (
-                        float("nan"),
-                        float("nan"),
-                        0,
-                        f"{type(exc).__name__}: {exc}",
-                    )
+                    med, best, reps, cpu = float("nan"), float("nan"), 0, float("nan")
+                    error = f"{type(exc).__name__}: {exc}"
                 yield Result(
                     case.suite,
                     case.name,
@@ -155,16 +165,21 @@ def run_cases(
                     case.params,
                     case.bytes_moved,
                     error,
+                    cpu,
                 )
     finally:
         bar.close()
 
 
 def ratios(
-    results: list[Result], baseline: str = "native", roofline: str = "clone"
+    results: list[Result],
+    baseline: str = "native",
+    roofline: str = "clone",
+    malloc: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (case, variant): time, speedup over ``baseline`` and ``compile``, and
-    the fraction of the roofline's bandwidth (roofline time / variant time)."""
+    the fraction of the roofline's bandwidth (roofline time / variant time); ``malloc``
+    is the allocator state they were measured in (None where it does not apply)."""
     by_case: dict[tuple[str, str], dict[str, Result]] = {}
     for r in results:
         by_case.setdefault((r.suite, r.case), {})[r.variant] = r
@@ -180,12 +195,15 @@ def ratios(
                 "variant": name,
                 "median_ms": r.median_s * 1e3,
                 "min_ms": r.min_s * 1e3,
+                "cpu_ms": r.cpu_s * 1e3,
                 "reps": r.reps,
                 "gbps": r.gbps,
                 "vs_native": base.median_s / r.median_s if base else None,
+                "vs_native_cpu": base.cpu_s / r.cpu_s if base and r.cpu_s else None,
                 "vs_compile": comp.median_s / r.median_s if comp else None,
                 "of_clone_bw": roof.median_s / r.median_s if roof and r.bytes_moved else None,
                 "error": r.error,
+                "malloc": malloc,
                 **{f"p_{k}": v for k, v in r.params.items()},
             }
             rows.append(row)
@@ -194,30 +212,108 @@ def ratios(
 
 def _fmt(v: Any, spec: str) -> str:
     if v is None or (isinstance(v, float) and v != v):
-        return "-"
+        return format("-", ">" + spec.split(".")[0])
     return format(v, spec)
 
 
-def print_table(rows: list[dict[str, Any]], out: TextIO = sys.stdout) -> None:
-    """A plain-text table of :func:`ratios` rows."""
+def print_table(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    """A plain-text table of :func:`ratios` rows (on stdout by default)."""
+    out = out or sys.stdout
     header = (
         f"{'case':<28} {'variant':<10} {'ms':>9} {'GB/s':>7} "
-        f"{'x native':>9} {'x compile':>10} {'of clone':>9}"
+        f"{'x native':>9} {'x compile':>10} {'of clone':>9} {'cpu ms':>9} {'x nat cpu':>9}"
     )
-    suite = None
+    section = None
     for row in rows:
-        if row["suite"] != suite:
-            suite = row["suite"]
-            print(f"\n== {suite}", file=out)
+        malloc = row.get("malloc")
+        if (row["suite"], malloc) != section:
+            section = (row["suite"], malloc)
+            where = f"  (malloc: {malloc}, {MALLOC_STATES[malloc]})" if malloc else ""
+            print(f"\n== {row['suite']}{where}", file=out)
             print(header, file=out)
         line = (
             f"{row['case']:<28} {row['variant']:<10} {_fmt(row['median_ms'], '9.2f')} "
             f"{_fmt(row['gbps'] or None, '7.1f')} {_fmt(row['vs_native'], '9.2f')} "
-            f"{_fmt(row['vs_compile'], '10.2f')} {_fmt(row['of_clone_bw'], '9.2f')}"
+            f"{_fmt(row['vs_compile'], '10.2f')} {_fmt(row['of_clone_bw'], '9.2f')} "
+            f"{_fmt(row.get('cpu_ms'), '9.2f')} {_fmt(row.get('vs_native_cpu'), '9.2f')}"
         )
         if row["error"]:
             line += f"  ERROR {row['error'][:80]}"
         print(line, file=out)
+
+
+def print_malloc_summary(rows: list[dict[str, Any]], out: TextIO | None = None) -> None:
+    """Speedup over native of each variant in each malloc state, side by side, by wall
+    time and by CPU time (cases measured in more than one state only)."""
+    out = out or sys.stdout
+    table: dict[tuple[str, str, str], dict[str, tuple[Any, Any]]] = {}
+    for row in rows:
+        if row.get("malloc") and row["variant"] not in ("native", "clone"):
+            key = (row["suite"], row["case"], row["variant"])
+            speedups = (row["vs_native"], row.get("vs_native_cpu"))
+            table.setdefault(key, {})[row["malloc"]] = speedups
+    both = {k: v for k, v in table.items() if len(v) > 1}
+    if not both:
+        return
+    states = list(MALLOC_STATES)
+    print("\n== x native in each malloc state (wall time, CPU time)", file=out)
+    head = " ".join(f"{s + ' wall':>11} {s + ' cpu':>10}" for s in states)
+    print(f"{'suite':<12} {'case':<28} {'variant':<10} {head}", file=out)
+    for (suite, case, variant), by_state in both.items():
+        cells = " ".join(
+            f"{_fmt(by_state.get(s, (None, None))[0], '11.2f')} "
+            f"{_fmt(by_state.get(s, (None, None))[1], '10.2f')}"
+            for s in states
+        )
+        print(f"{suite:<12} {case:<28} {variant:<10} {cells}", file=out)
+
+
+# --- glibc malloc states -----------------------------------------------------------------
+
+#: glibc reads it at start-up; once set the mmap threshold stays put (no growth).
+MALLOC_ENV = "MALLOC_MMAP_THRESHOLD_"
+#: glibc's starting threshold, 128 KiB
+MALLOC_FIXED = "131072"
+MALLOC_STATES = {
+    "grows": "glibc's default, the mmap threshold grows after large frees",
+    "fixed": f"{MALLOC_ENV}={MALLOC_FIXED}, the threshold stays at its starting 128 KiB",
+}
+#: glibc tunables that, like the variable, switch the threshold's growth off
+_FIXING_TUNABLES = ("mmap_threshold", "trim_threshold", "top_pad", "mmap_max")
+
+
+def malloc_state(environ: dict[str, str] | None = None) -> str:
+    """``fixed`` when the process was started with the mmap threshold set (by the
+    variable or a glibc tunable), else ``grows``."""
+    env = os.environ if environ is None else environ
+    tunables = env.get("GLIBC_TUNABLES", "")
+    if env.get(MALLOC_ENV) or any(f"malloc.{t}=" in tunables for t in _FIXING_TUNABLES):
+        return "fixed"
+    return "grows"
+
+
+def malloc_env(state: str, environ: dict[str, str] | None = None) -> dict[str, str]:
+    """A copy of the environment that starts a process in malloc ``state``."""
+    env = dict(os.environ if environ is None else environ)
+    env.pop(MALLOC_ENV, None)
+    tunables = [
+        t
+        for t in env.pop("GLIBC_TUNABLES", "").split(":")
+        if t and not any(t.startswith(f"glibc.malloc.{f}=") for f in _FIXING_TUNABLES)
+    ]
+    if tunables:
+        env["GLIBC_TUNABLES"] = ":".join(tunables)
+    if state == "fixed":
+        env[MALLOC_ENV] = MALLOC_FIXED
+    elif state != "grows":
+        raise ValueError(f"malloc state must be one of {sorted(MALLOC_STATES)}, got {state!r}")
+    return env
+
+
+def run_child(argv: list[str], env: dict[str, str]) -> int:
+    """Run ``argv`` (a ``ditops bench`` writing JSON) with ``env``; its stdout (a table the
+    parent prints itself) is dropped, its stderr (progress, errors) shown. Exit status."""
+    return subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode
 
 
 def machine_info(device: torch.device) -> dict[str, Any]:
@@ -229,6 +325,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "processor": platform.processor(),
         "threads": torch.get_num_threads(),
         "device": str(device),
+        "malloc": malloc_state() if device.type == "cpu" else None,
     }
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)

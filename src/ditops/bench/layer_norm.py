@@ -4,7 +4,8 @@ Per shape, bf16 input [rows, C] with fp32 weight and bias (as diffusers keeps th
 ``native`` (the meaning: three passes over memory), ``compile`` (torch.compile of the
 meaning), ditops ``exact`` and ``fast`` (whatever path the dispatcher picks on this
 device), and ``clone`` of the input (one read and one write: the roofline). Bytes per
-pass: 2 bytes read + 2 written per element.
+pass: 2 bytes read + 2 written per element. On CPU ``ditops bench`` runs it in both glibc
+malloc states (the exact kernel walks blocks of rows; see :mod:`ditops.bench.harness`).
 """
 
 from __future__ import annotations
@@ -74,5 +75,6 @@ SUITE = register_suite(
         title="FP32LayerNorm, bf16 in/out, fp32 weights",
         cases=cases,
         steps=lambda size: len(ROWS[size]) * len(WIDTHS) * 5,
+        malloc_states=True,
     )
 )

@@ -14,6 +14,9 @@ TI2V-5B). Variants, all timed in one run:
   modulation that is exactly a clone of the activations; with per-token modulation the
   fp32 modulation tensors add to it. Its time is the memory roofline, so ``of clone``
   is the fraction of copy bandwidth reached.
+
+On CPU ``ditops bench`` runs it in both glibc malloc states (the kernels walk blocks of
+rows; see :mod:`ditops.bench.harness`).
 """
 
 from __future__ import annotations
@@ -142,5 +145,6 @@ SUITE = register_suite(
         title="Wan modulation: (LN(h) * (1 + scale) + shift), bf16 activations, fp32 modulation",
         cases=cases,
         steps=_steps,
+        malloc_states=True,
     )
 )

@@ -23,6 +23,9 @@ class Suite:
     title: str
     cases: Callable[[torch.device, str], Iterator[Case]]
     steps: Callable[[str], int]
+    #: its kernels allocate per block of rows on CPU: bench them in both glibc malloc
+    #: states (see :mod:`ditops.bench.harness`)
+    malloc_states: bool = False
 
 
 _SUITES: dict[str, Suite] = {}

@@ -21,6 +21,8 @@ as the rest of it does.
 
 from __future__ import annotations
 
+import hashlib
+import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -227,6 +229,17 @@ def replace_forward(module: nn.Module, patched: Callable[..., Any], record: Patc
 
 
 # --- model families ---------------------------------------------------------------------------
+
+
+def fingerprint(fn: Any) -> str:
+    """sha256 (first 16 hex digits) of the stripped, non-empty source lines of ``fn``:
+    what a family compares against the diffusers versions it was written for."""
+    try:
+        src = inspect.getsource(fn)
+    except (OSError, TypeError):
+        return "unavailable"
+    lines = "\n".join(line.strip() for line in src.splitlines() if line.strip())
+    return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
 class ModelFamily(Protocol):

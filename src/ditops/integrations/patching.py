@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, then the
-generic norm swap), has it check the model (a model that does not match what the patch
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, then
+the generic norm swap), has it check the model (a model that does not match what the patch
 expects is refused whole, nothing changed) and apply the patch, recording every change
 on the model (``model._ditops_patch``, see :mod:`ditops.integrations.base`).
 
@@ -21,13 +21,14 @@ from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.base import ModelFamily, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.flux import FluxFamily
 from ditops.integrations.norms import GenericFamily
 from ditops.integrations.wan import WanFamily
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
-FAMILIES: tuple[ModelFamily, ...] = (WanFamily(), GenericFamily())
+FAMILIES: tuple[ModelFamily, ...] = (WanFamily(), FluxFamily(), GenericFamily())
 
 
 class _Unset:
@@ -88,7 +89,8 @@ def patch(
 
     Args:
         target: a model (``nn.Module``) or a pipeline (its ``transformer*`` components).
-        norms: swap norms and, on Wan, fuse each block's modulation chain (default True).
+        norms: swap norms and, on Wan and FLUX, fuse each block's modulation chain (and
+            FLUX's attention prologue) (default True).
         attention: ``None`` (dense attention as it is; the default) or a
             :class:`ditops.BlockSparseConfig` for Wan self-attention.
         precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION`` per

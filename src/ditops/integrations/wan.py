@@ -31,8 +31,6 @@ accelerate hooks (caching, offloading, context parallelism) are patched under th
 from __future__ import annotations
 
 import functools
-import hashlib
-import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -44,6 +42,7 @@ from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
+    fingerprint,
     forward_wrapper_problem,
     refuse,
     replace_forward,
@@ -52,19 +51,9 @@ from ditops.integrations.norms import swap_norms
 from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
 from ditops.integrations.steps import StepState, track_steps
 
-# sha256 (first 16 hex digits) of the stripped, non-empty source lines, per diffusers
-# version this module was checked against.
+# base.fingerprint of the diffusers versions this module was checked against.
 KNOWN_BLOCK_FORWARD = {"318f5cac859c98ee": "diffusers 0.42"}
 KNOWN_ATTN_PROCESSOR = {"860a708317404b68": "diffusers 0.42"}
-
-
-def _fingerprint(fn: Any) -> str:
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return "unavailable"
-    lines = "\n".join(line.strip() for line in src.splitlines() if line.strip())
-    return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
 @dataclass
@@ -84,7 +73,7 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
     version = getattr(diffusers, "__version__", "?")
     problems: list[str] = []
     block_cls = transformer_wan.WanTransformerBlock
-    fp = _fingerprint(block_cls.forward)
+    fp = fingerprint(block_cls.forward)
     if norms and fp not in KNOWN_BLOCK_FORWARD:
         problems.append(
             f"WanTransformerBlock.forward of diffusers {version} (fingerprint {fp}) differs "
@@ -92,7 +81,7 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
         )
     processor = norms or attention is not None  # attn1's processor is replaced
     if processor:
-        fp_attn = _fingerprint(transformer_wan.WanAttnProcessor.__call__)
+        fp_attn = fingerprint(transformer_wan.WanAttnProcessor.__call__)
         if fp_attn not in KNOWN_ATTN_PROCESSOR:
             problems.append(
                 f"WanAttnProcessor of diffusers {version} (fingerprint {fp_attn}) differs from "

@@ -11,7 +11,9 @@ Two ops, each a registered CustomOp with a functional entry point of the same na
   native selection (:func:`ditops.attention.estimate.mask_from_scores`).
 - ``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the union of the
   selected key blocks (:mod:`ditops.attention.reference` is the meaning). Paths:
-  native (fp32, memory-bounded); ``cpu`` and ``cuda`` through compiled FlexAttention;
+  native (fp32, memory-bounded); ``cpu`` gathers the selected key blocks and runs SDPA
+  on them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`);
+  ``cuda``/``hip`` through compiled FlexAttention;
   ``npu`` through sgl-kernel-npu's ``ada_block_sparse_attention`` (``sgl_kernel_npu``,
   else the legacy ``attentions`` under that name or its older ``block_sparse_attention``).
   Other devices run native.
@@ -27,15 +29,15 @@ graph with ``torch.cond``).
 
 Precision: every fast path is ``fast`` only (``exact`` runs native). For attention,
 ``fast`` means within ``ATTENTION_TOLERANCE`` of native (fp32 inside, rounded once):
-FlexAttention and the NPU kernel round softmax probabilities to the input dtype before
-the second matmul, as every flash-attention kernel does. One exception: fp16 on
-``sgl_kernel_npu``, which lacks the kernel's fp16 high-precision specialization, runs
-its high-performance one (``inner_precise=1``), holding scores and softmax in fp16: a
-logit ``l`` is then off by up to ``|l| * 2**-11``, and the bound's ``atol`` grows by
-``NPU_FP16_LOGIT_ATOL * max|logit|`` (bf16, and fp16 on the legacy package, take the
-high-precision path). For the estimate, ``fast`` means the NPU's fp16 block scores, or
-the Triton kernel's (within a few ulps of the input dtype of native's), may break
-near-ties differently.
+SDPA's CPU flash kernel, FlexAttention and the NPU kernel round softmax probabilities to
+the input dtype before the second matmul, as every flash-attention kernel does. One
+exception: fp16 on ``sgl_kernel_npu``, which lacks the kernel's fp16 high-precision
+specialization, runs its high-performance one (``inner_precise=1``), holding scores
+and softmax in fp16: a logit ``l`` is then off by up to ``|l| * 2**-11``, and the
+bound's ``atol`` grows by ``NPU_FP16_LOGIT_ATOL * max|logit|`` (bf16, and fp16 on the
+legacy package, take the high-precision path). For the estimate, ``fast`` means the
+NPU's fp16 block scores, or the Triton kernel's (within a few ulps of the input dtype of
+native's), may break near-ties differently.
 
 :class:`BlockSparseAttention` puts both behind a schedule
 (:class:`ditops.attention.schedule.BlockSparseConfig`): dense SDPA for the first
@@ -85,7 +87,8 @@ TRITON_ESTIMATE_MAX_CELLS = 128
 
 #: ``fast`` tolerance of block_sparse_attention against native, per output dtype:
 #: ``|out - native| <= atol * max|v| + rtol * |native|`` (about 1 ulp of max|v| in bf16;
-#: measured on CPU FlexAttention: bf16 2e-3, fp16 2e-4, fp32 2e-7 of max|v|).
+#: measured on CPU FlexAttention: bf16 2e-3, fp16 2e-4, fp32 2e-7 of max|v|; the CPU
+#: gathered-SDPA path: bf16 0.8e-3 to 3e-3, fp32 6e-8).
 ATTENTION_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
     torch.float32: (1e-5, 1e-5),
     torch.bfloat16: (8e-3, 8e-3),
@@ -154,6 +157,14 @@ def _check_scale(op: str, scale: object) -> None:
 def _check_flag(op: str, name: str, value: object) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
+
+
+def _bnsd_and_scale(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: str, scale: float | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float]:
+    """BNSD views of q, k, v and the softmax scale (default ``D ** -0.5``)."""
+    qb, kb, vb = to_bnsd(q, layout), to_bnsd(k, layout), to_bnsd(v, layout)
+    return qb, kb, vb, int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
 
 
 def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
@@ -444,7 +455,7 @@ class BlockSparseAttentionOp(CustomOp):
     ) -> torch.Tensor:
         from ditops.kernels.flex_attention import flex_block_sparse_attention
 
-        qb, kb, vb = to_bnsd(q, layout), to_bnsd(k, layout), to_bnsd(v, layout)
+        qb, kb, vb, softmax_scale = _bnsd_and_scale(q, k, v, layout, scale)
         block_mask = to_flex_block_mask(
             mask,
             counts,
@@ -453,15 +464,27 @@ class BlockSparseAttentionOp(CustomOp):
             block_size=block_size,
             causal=causal,
         )
-        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
         out = flex_block_sparse_attention(
             qb, kb, vb, block_mask, scale=softmax_scale, needs_mask_mod=causal
         )
         return _from_bnsd(out, layout)
 
+    # No compile: the selected key blocks are gathered and ATen's CPU flash kernel runs on
+    # them (kernels/cpu/block_sparse_attention.py). Measured faster than compiled
+    # FlexAttention at every keep ratio on the project CPU, see
+    # benchmarks/cpu/probes/sparse_attention_cpu.py.
     @fast_path(precisions=("fast",), dtypes=_FLOATS, inference_only=True)
-    def forward_cpu(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        return self._flex(*args, **kwargs)
+    def forward_cpu(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor,
+        counts: torch.Tensor, **opts: Any,
+    ) -> torch.Tensor:  # fmt: skip
+        from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention
+
+        qb, kb, vb, softmax_scale = _bnsd_and_scale(q, k, v, opts["layout"], opts["scale"])
+        return gathered_block_sparse_attention(
+            qb, kb, vb, mask, softmax_scale, opts["causal"], opts["block_size"],
+            opts["layout"] == "BSND",
+        )  # fmt: skip
 
     # FlexAttention on a GPU generates Triton kernels.
     @fast_path(backend=TRITON, precisions=("fast",), dtypes=_FLOATS, inference_only=True)

@@ -7,7 +7,10 @@ read 4 + write 2 bytes per element, 20 bytes in all) where a copy moves 4. So:
 
 * ``exact``: the same three ATen calls on blocks of rows small enough that the fp32
   temporaries stay in L2. ATen normalises each row on its own, so the result is
-  bitwise the native one; DRAM traffic drops to one read and one write of bf16.
+  bitwise the native one; DRAM traffic drops to one read and one write of bf16. The
+  fp32 copy of a block goes to this thread's scratch block, LayerNorm's own output is
+  kept off fresh pages (:mod:`ditops.kernels.cpu.blocks`), and the cast writes into the
+  output: no fresh memory per block in either state of glibc's allocator.
 * ``fast``: ATen's mixed-dtype kernel (bf16/fp16 input, fp32 weights, fp32 math
   inside, one pass): within 1 bf16 ulp of native on a few elements in 1e5.
 
@@ -22,6 +25,7 @@ from collections.abc import Sequence
 import torch
 import torch.nn.functional as F
 
+from ditops.kernels.cpu import blocks
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Each ATen call on a block is one parallel region, so
@@ -66,14 +70,21 @@ def fp32_layer_norm(
         # bf16/fp16 input with fp32 (or no) affine parameters: one fused pass, fp32 inside.
         return F.layer_norm(x, shape, weight, bias, eps)
     rows = x.reshape(-1, row_len)
+    n_rows = rows.shape[0]
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
-    step = _rows_per_block(row_len)
     w = None if weight is None else weight.reshape(row_len)
     b = None if bias is None else bias.reshape(row_len)
-    for start in range(0, rows.shape[0], step):
-        block = rows[start : start + step]
-        # copy_ rounds to nearest even exactly as .to() does.
-        out[start : start + step].copy_(F.layer_norm(block.float(), [row_len], w, b, eps))
+    step = min(_rows_per_block(row_len), n_rows)
+    piece = blocks.piece_rows(n_rows, step, 4 * row_len)
+    step = blocks.block_step(step, piece)
+    with blocks.scratch() as scratch:
+        full = scratch.take(0, step, row_len, torch.float32)
+        for start in range(0, n_rows, step):
+            src = rows[start : start + step]
+            buf = full if src.shape[0] == step else full[: src.shape[0]]
+            buf.copy_(src)  # the exact fp32 value of every element, as .float()
+            # copy_ into out rounds to nearest even exactly as .to() does.
+            blocks.layer_norm_into(out[start : start + step], buf, w, b, eps, piece)
     return out.reshape(x.shape)
 
 

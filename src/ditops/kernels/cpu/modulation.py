@@ -13,8 +13,12 @@ output:
 
 * ``exact`` runs the very eager ops, block by block. Every one of them is elementwise
   or normalises each row on its own, so the bits are those of the eager expression.
-  Temporaries are reused fp32 blocks and in-place ops where that gives the same bits
-  (a mixed-dtype op would make its own fp32 copy of its operand).
+  Temporaries live in this thread's scratch blocks (:mod:`ditops.kernels.cpu.blocks`):
+  in-place ops where that gives the same bits, ``out=`` variants for the low-precision
+  intermediates eager rounds (``x * gate``, ``1 + scale``), and exact fp32 copies of
+  low-precision per-token operands (a mixed-dtype op would allocate that copy itself,
+  per block). LayerNorm's own output is kept off fresh pages as ``blocks`` explains,
+  so no block-sized memory is allocated per block in either state of glibc's malloc.
 * ``fast`` folds a per-sample or per-frame modulation into LayerNorm's affine
   parameters, ``w' = w * (1 + scale)``, ``b' = b * (1 + scale) + shift`` (fp32, one row
   of C each), and lets ATen's mixed-dtype LayerNorm (low-precision in and out, fp32
@@ -42,6 +46,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
+from ditops.kernels.cpu import blocks
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
@@ -107,17 +112,54 @@ def _walk(B: int, L: int, step: int, mods: Rows) -> Iterator[tuple[int, int, int
 
 
 class _Buffers:
-    """Two fp32 blocks reused across the row loop (no allocation per block)."""
+    """The working blocks of one call, in this thread's scratch (nothing allocated per block).
 
-    def __init__(self, rows: int, C: int, device: torch.device) -> None:
+    Slot 0 (fp32) holds the rows being normalised (the gated sum in the fused op); slot 1
+    (fp32) an operand converted to fp32 (a low-precision residual or per-token
+    modulation): an op mixing dtypes would allocate that copy itself, per block; slot 2
+    a low-precision result eager rounds before using it (``x * gate``, ``1 + scale``).
+    """
+
+    def __init__(self, scratch: blocks.Scratch, rows: int, C: int) -> None:
+        self._scratch = scratch
         self.rows = rows
-        self.a = torch.empty((rows, C), dtype=torch.float32, device=device)
-        self.b = torch.empty((rows, C), dtype=torch.float32, device=device)
+        self.C = C
+        self._full: dict[tuple[int, torch.dtype], torch.Tensor] = {}
 
-    def take(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        if n == self.rows:
-            return self.a, self.b
-        return self.a[:n], self.b[:n]
+    def get(self, slot: int, n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[n, C]`` (``n`` at most the block's rows) of ``dtype`` in ``slot``."""
+        full = self._full.get((slot, dtype))
+        if full is None:
+            full = self._full[slot, dtype] = self._scratch.take(slot, self.rows, self.C, dtype)
+        return full if n == self.rows else full[:n]
+
+
+def _plan(B: int, L: int, step: int, row_bytes: int) -> tuple[int, int]:
+    """(rows per block, rows per LayerNorm call) for ``B`` samples of ``L`` rows whose
+    LayerNorm output rows take ``row_bytes``."""
+    block = min(step, L)
+    piece = blocks.piece_rows(B * L, block, row_bytes)
+    return blocks.block_step(step, piece), piece
+
+
+def _f32_rows(t: torch.Tensor, bufs: _Buffers) -> torch.Tensor:
+    """A low-precision block of rows as fp32 in slot 1 (widening is exact, so the op it
+    feeds gives the bits it gives the low-precision operand); anything else (fp32, a
+    scalar or one row, whose converted copy is small) as it is."""
+    if t.dtype == torch.float32 or t.dim() < 2:
+        return t
+    return bufs.get(1, t.shape[0]).copy_(t)
+
+
+def _one_plus(s: torch.Tensor, bufs: _Buffers) -> torch.Tensor:
+    """``1 + s`` as eager computes it (in s's dtype); a per-token block in scratch, as fp32."""
+    if s.dim() < 2:
+        return 1 + s
+    n = s.shape[0]
+    if s.dtype == torch.float32:
+        return torch.add(s, 1, out=bufs.get(1, n))
+    rounded = torch.add(s, 1, out=bufs.get(2, n, s.dtype))
+    return bufs.get(1, n).copy_(rounded)
 
 
 # --- exact: the eager ops, block by block -----------------------------------------------
@@ -133,35 +175,27 @@ def _scale_operands(scale: torch.Tensor | None, L: int) -> Rows:
     return {"one_plus": 1 + scale}
 
 
-def _one_plus(rows: Rows) -> torch.Tensor | None:
-    if "one_plus" in rows:
-        return rows["one_plus"]
-    scale = rows.get("scale")
-    return None if scale is None else 1 + scale
-
-
 def _gated_sum_exact(
-    rc: torch.Tensor, xc: torch.Tensor, g: torch.Tensor | None, acc: torch.Tensor, tmp: torch.Tensor
+    rc: torch.Tensor, xc: torch.Tensor, g: torch.Tensor | None, bufs: _Buffers
 ) -> torch.Tensor:
-    """acc = residual.float() + x * gate for one block, with the bits of the eager expression.
+    """residual.float() + x * gate for one block, in slot 0, with the bits of the eager
+    expression.
 
     When ``x * gate`` is computed in fp32 (an fp32 gate or fp32 x) it is done in place in
-    ``acc``; a low-precision product (bf16 x times a bf16 or scalar gate) is rounded to
+    the block; a low-precision product (bf16 x times a bf16 or scalar gate) is rounded to
     its dtype first, as eager does. IEEE addition commutes, so adding the residual to
     the product gives the same bits as the eager order.
     """
+    n = xc.shape[0]
+    acc = bufs.get(0, n)
     if g is None:
         acc.copy_(xc)  # x * 1 == x: nothing to round
     elif torch.result_type(xc, g) == torch.float32:
         acc.copy_(xc)
-        acc.mul_(g)
+        acc.mul_(_f32_rows(g, bufs))
     else:
-        acc.copy_(xc * g)
-    if rc.dtype == torch.float32:
-        acc.add_(rc)
-    else:
-        tmp.copy_(rc)  # a same-dtype add: a mixed one makes its own fp32 temporary
-        acc.add_(tmp)
+        acc.copy_(torch.mul(xc, g, out=bufs.get(2, n, torch.result_type(xc, g))))
+    acc.add_(_f32_rows(rc, bufs))  # a same-dtype add: a mixed one makes its own fp32 copy
     return acc
 
 
@@ -172,15 +206,23 @@ def _ln_mod_block_exact(
     eps: float,
     rows: Rows,
     out: torch.Tensor,
+    bufs: _Buffers,
+    piece: int,
 ) -> None:
-    """out = (LN(y_in) * (1 + scale) + shift).to(out.dtype) for one fp32 block, as eager."""
-    y = F.layer_norm(y_in, (y_in.shape[-1],), weight, bias, eps)
-    s1 = _one_plus(rows)
+    """out = (LN(y_in) * (1 + scale) + shift).to(out.dtype) for one fp32 block, as eager.
+
+    The normalised rows are LayerNorm's own output or slot 0 (``y_in`` may be slot 0);
+    ``* (1 + scale)`` and ``+ shift`` are fp32 results either way, so in place they give
+    the bits of the eager out-of-place ops.
+    """
+    y = blocks.layer_norm_rows(y_in, weight, bias, eps, piece, bufs.get(0, y_in.shape[0]))
+    scale = rows.get("scale")
+    s1 = rows.get("one_plus") if scale is None else _one_plus(scale, bufs)
     if s1 is not None:
-        y.mul_(s1)  # fp32 result either way: in place gives the bits of y * s1
+        y.mul_(s1)
     t = rows.get("shift")
     if t is not None:
-        y.add_(t)
+        y.add_(_f32_rows(t, bufs))
     out.copy_(y)  # rounds to nearest even, as .to() does
 
 
@@ -194,14 +236,15 @@ def _layer_norm_scale_shift_exact(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     B, L, C = x.shape
-    step = _rows_per_block(C)
+    step, piece = _plan(B, L, _rows_per_block(C), 4 * C)
     out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
-    bufs = _Buffers(step, C, x.device)
     mods = {**_scale_operands(scale, L), "shift": shift}
-    for b, _, l0, l1, rows in _walk(B, L, step, mods):
-        xc = x[b, l0:l1]
-        y_in = xc if xc.dtype == torch.float32 else bufs.take(l1 - l0)[0].copy_(xc)
-        _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1])
+    with blocks.scratch() as scratch:
+        bufs = _Buffers(scratch, min(step, L), C)
+        for b, _, l0, l1, rows in _walk(B, L, step, mods):
+            xc = x[b, l0:l1]
+            y_in = xc if xc.dtype == torch.float32 else bufs.get(0, l1 - l0).copy_(xc)
+            _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
     return out
 
 
@@ -211,11 +254,11 @@ def _gated_residual_exact(
     B, L, C = residual.shape
     step = _rows_per_block(C)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    bufs = _Buffers(step, C, residual.device)
-    for b, _, l0, l1, rows in _walk(B, L, step, {"gate": gate}):
-        acc, tmp = bufs.take(l1 - l0)
-        _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], acc, tmp)
-        out[b, l0:l1].copy_(acc)
+    with blocks.scratch() as scratch:
+        bufs = _Buffers(scratch, min(step, L), C)
+        for b, _, l0, l1, rows in _walk(B, L, step, {"gate": gate}):
+            acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
+            out[b, l0:l1].copy_(acc)
     return out
 
 
@@ -231,19 +274,19 @@ def _fused_exact(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L, C = residual.shape
-    step = _rows_per_block(C)
+    step, piece = _plan(B, L, _rows_per_block(C), 4 * C)
     out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
     new_res = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    bufs = _Buffers(step, C, x.device)
     mods = {"gate": gate, **_scale_operands(scale, L), "shift": shift}
-    for b, _, l0, l1, rows in _walk(B, L, step, mods):
-        acc, tmp = bufs.take(l1 - l0)
-        _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], acc, tmp)
-        nr = new_res[b, l0:l1]
-        nr.copy_(acc)
-        if nr.dtype != torch.float32:
-            acc.copy_(nr)  # the norm reads the rounded residual, as eager does after type_as
-        _ln_mod_block_exact(acc, weight, bias, eps, rows, out[b, l0:l1])
+    with blocks.scratch() as scratch:
+        bufs = _Buffers(scratch, min(step, L), C)
+        for b, _, l0, l1, rows in _walk(B, L, step, mods):
+            acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
+            nr = new_res[b, l0:l1]
+            nr.copy_(acc)
+            if nr.dtype != torch.float32:
+                acc.copy_(nr)  # the norm reads the rounded residual, as eager does after type_as
+            _ln_mod_block_exact(acc, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
     return out, new_res
 
 
@@ -305,36 +348,39 @@ def _fast(
         return F.layer_norm(x, (C,), w, bb, eps), None
     out = torch.empty((B, L, C), dtype=out_dtype, device=dev)
     new_res = None if residual is None else torch.empty((B, L, C), dtype=norm_dtype, device=dev)
-    bufs = _Buffers(step, C, dev)
+    # A folded LayerNorm writes norm_dtype rows; the other one fp32 rows.
+    row_bytes = C * (norm_dtype.itemsize if fold else 4)
+    step, piece = _plan(B, L, step, row_bytes)
     params: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
-    for b, g, l0, l1, rows in _walk(B, L, step, {"gate": gate, "scale": scale, "shift": shift}):
-        acc, tmp = bufs.take(l1 - l0)
-        if residual is None or new_res is None:
-            normed_in = x[b, l0:l1]
-        else:
-            _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], acc, tmp)
-            normed_in = new_res[b, l0:l1]
-            normed_in.copy_(acc)
-        s, t = rows["scale"], rows["shift"]
-        if fold:
-            key = (b, g)
-            if key not in params:
-                params[key] = _folded_params(weight, bias, s, t, C)
-            w, bb = params[key]
-            out[b, l0:l1].copy_(F.layer_norm(normed_in, (C,), w, bb, eps))
-            continue
-        if normed_in.dtype == torch.float32:
-            y_in = normed_in
-        else:
-            y_in = acc.copy_(normed_in)  # the rounded residual (or low-precision x) in fp32
-        y = F.layer_norm(y_in, (C,), weight, bias, eps)
-        if s is not None and s.dtype == torch.float32:
-            y.addcmul_(y, s)  # y * (1 + s) as y + y * s: one pass, no temporary for 1 + s
-        elif s is not None:
-            y.mul_(1 + s)  # eager rounds 1 + s to a low-precision scale's dtype
-        if t is not None:
-            y.add_(t)
-        out[b, l0:l1].copy_(y)
+    mods = {"gate": gate, "scale": scale, "shift": shift}
+    with blocks.scratch() as scratch:
+        bufs = _Buffers(scratch, min(step, L), C)
+        for b, g, l0, l1, rows in _walk(B, L, step, mods):
+            if residual is None or new_res is None:
+                normed_in = x[b, l0:l1]
+            else:
+                acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
+                normed_in = new_res[b, l0:l1]
+                normed_in.copy_(acc)
+            s, t = rows["scale"], rows["shift"]
+            if fold:
+                key = (b, g)
+                if key not in params:
+                    params[key] = _folded_params(weight, bias, s, t, C)
+                w, bb = params[key]
+                blocks.layer_norm_into(out[b, l0:l1], normed_in, w, bb, eps, piece)
+                continue
+            work = bufs.get(0, l1 - l0)
+            # the rounded residual (or low-precision x) in fp32
+            y_in = normed_in if normed_in.dtype == torch.float32 else work.copy_(normed_in)
+            y = blocks.layer_norm_rows(y_in, weight, bias, eps, piece, work)
+            if s is not None and s.dtype == torch.float32:
+                y.addcmul_(y, s)  # y * (1 + s) as y + y * s: one pass, no temporary for 1 + s
+            elif s is not None:
+                y.mul_(_one_plus(s, bufs))  # eager rounds 1 + s to a low-precision scale's dtype
+            if t is not None:
+                y.add_(_f32_rows(t, bufs))
+            out[b, l0:l1].copy_(y)
     return out, new_res
 
 

@@ -1,0 +1,474 @@
+"""Patching diffusers' ``FluxTransformer2DModel`` (FLUX.1 and models built like it).
+
+FLUX has two kinds of blocks, both around adaLN-Zero in the model dtype (diffusers 0.42):
+
+* ``FluxTransformerBlock`` (double-stream: image and text tokens with their own weights,
+  joint attention)::
+
+      n, gate, ... = norm1(h, temb)           # LN(h) * (1 + scale) + shift, model dtype
+      c_n, c_gate, ... = norm1_context(c, temb)
+      a, c_a = attn(n, c_n, rope)             # q/k RMSNorm per head, rotary, attention
+      h = h + gate * a;  n = norm2(h) * (1 + scale_mlp) + shift_mlp
+      h = h + gate_mlp * ff(n)
+      c = c + c_gate * c_a;  c_n = norm2_context(c) * (1 + ...) + ...
+      c = c + c_gate_mlp * ff_context(c_n);  fp16: c = c.clip(-65504, 65504)
+
+* ``FluxSingleTransformerBlock`` (single-stream over ``cat([text, image])``)::
+
+      n, gate = norm(h, temb);  a = attn(n, rope);  m = act(proj_mlp(n))
+      h = h + gate * proj_out(cat([a, m]));  fp16: clip
+
+and the output norm ``norm_out`` (``AdaLayerNormContinuous``) is ``LN(h) * (1 + scale) +
+shift`` again. The patched model runs the same expressions on ditops' ops, in FLUX's own
+arithmetic: the modulated norms on :func:`~ditops.layers.adaln.adaln_modulate`, each
+gated residual followed by a modulated norm on the fused
+:func:`~ditops.layers.adaln.adaln_residual_modulate`, the last residual of each stream on
+:func:`~ditops.layers.adaln.adaln_residual`; the fp16 clip where FLUX has it. Attention
+runs :class:`FusedFluxAttnProcessor`, which is ``FluxAttnProcessor`` with the prologue
+(RMSNorm of q and k per head, then the rotary embedding) on the fused
+:func:`~ditops.layers.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
+for the double-stream blocks one for the text tokens (``norm_added_q``/``norm_added_k``,
+the first rows of the tables) and one for the image tokens, concatenated as FLUX does.
+In exact precision the patched model is bitwise the unpatched one.
+
+Before changing anything, :meth:`FluxFamily.check` compares the blocks, norms and
+processors against what this module was written for, and the source of every diffusers
+function whose arithmetic it reproduces against the fingerprints of the versions it was
+checked with: a model that does not match is refused whole, with the reasons. Attention
+processors other than ``FluxAttnProcessor`` (IP-Adapter's, one of your own) are kept as
+they are (the blocks around them are still fused). Forwards wrapped by diffusers or
+accelerate hooks are patched under the hooks.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.base import (
+    AttrSet,
+    PatchError,
+    PatchOptions,
+    PatchRecord,
+    fingerprint,
+    forward_wrapper_problem,
+    refuse,
+    replace_forward,
+)
+
+_DIFFUSERS_042 = "diffusers 0.42"
+
+#: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
+FP16_MAX = 65504.0
+
+
+def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+    """Every diffusers function whose arithmetic the patch reproduces, with the
+    fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
+    module was checked against."""
+    from diffusers.models import embeddings, normalization
+    from diffusers.models.transformers import transformer_flux as tf
+
+    return {
+        "FluxTransformerBlock.forward": (
+            tf.FluxTransformerBlock.forward, {"89e3052fb2a6327e": _DIFFUSERS_042}
+        ),
+        "FluxSingleTransformerBlock.forward": (
+            tf.FluxSingleTransformerBlock.forward, {"bdc8d269208a5dcc": _DIFFUSERS_042}
+        ),
+        "FluxAttnProcessor.__call__": (
+            tf.FluxAttnProcessor.__call__, {"80975ab2f153f684": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZero.forward": (
+            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZeroSingle.forward": (
+            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormContinuous.forward": (
+            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": _DIFFUSERS_042}
+        ),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+    }  # fmt: skip
+
+
+# --- the ops of one patched model ------------------------------------------------------------
+
+
+class _FluxOps:
+    """One set of op instances per patched model, carrying its precision (a plain object:
+    it deep-copies and pickles with the model)."""
+
+    def __init__(self, precision: str | None) -> None:
+        from ditops.layers import adaln, qk_norm_rope
+
+        self.modulate = adaln.AdaLNModulateOp()
+        self.residual = adaln.AdaLNResidualOp()
+        self.residual_modulate = adaln.AdaLNResidualModulateOp()
+        self.qk = qk_norm_rope.QKNormRopeOp()
+        for op in (self.modulate, self.residual, self.residual_modulate, self.qk):
+            op.precision = precision
+
+
+def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
+    # FLUX's own guard, in its own place (after the residual adds it names).
+    if h.dtype == torch.float16:
+        return h.clip(-FP16_MAX, FP16_MAX)
+    return h
+
+
+def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
+    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
+    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+
+
+def double_block_forward(
+    block: nn.Module,
+    ops: _FluxOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxTransformerBlock.forward`` on ditops' ops (see the module docstring).
+
+    Installed as ``functools.partial(double_block_forward, block, ops)``: a deep copy of
+    the block gets a partial bound to the copy and its own ops.
+    """
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
+        block.norm1_context, temb, 6
+    )
+    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
+    c_n = ops.modulate(
+        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
+    )
+    outputs = block.attn(
+        hidden_states=n,
+        encoder_hidden_states=c_n,
+        image_rotary_emb=image_rotary_emb,
+        **(joint_attention_kwargs or {}),
+    )
+    if len(outputs) == 2:
+        attn_output, context_attn_output = outputs
+        ip_attn_output = None
+    elif len(outputs) == 3:
+        attn_output, context_attn_output, ip_attn_output = outputs
+    else:
+        raise ValueError(
+            f"FluxTransformerBlock: the attention processor returned {len(outputs)} outputs; "
+            "expected 2 (image, text) or 3 (with IP-Adapter's)"
+        )
+    n, hidden_states = ops.residual_modulate(
+        hidden_states, attn_output, gate.unsqueeze(1),
+        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
+    )  # fmt: skip
+    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
+    if ip_attn_output is not None:
+        hidden_states = hidden_states + ip_attn_output
+    c_n, encoder_hidden_states = ops.residual_modulate(
+        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
+        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
+    )  # fmt: skip
+    encoder_hidden_states = ops.residual(
+        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
+    )
+    return _clip_fp16(encoder_hidden_states), hidden_states
+
+
+def single_block_forward(
+    block: nn.Module,
+    ops: _FluxOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    joint_attention_kwargs: dict[str, Any] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``FluxSingleTransformerBlock.forward`` on ditops' ops (see the module docstring)."""
+    text_seq_len = encoder_hidden_states.shape[1]
+    residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
+    shift, scale, gate = _ada_emb(block.norm, temb, 3)
+    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
+    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
+    attn_output = block.attn(
+        hidden_states=n, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
+    )
+    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    hidden_states = _clip_fp16(ops.residual(residual, out, gate.unsqueeze(1)))
+    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
+
+
+def norm_out_forward(
+    norm: nn.Module, ops: _FluxOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
+) -> torch.Tensor:
+    """``AdaLayerNormContinuous.forward`` (layer norm without affine) on ditops' op."""
+    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)
+
+
+class FusedFluxAttnProcessor:
+    """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
+    ``qk_norm_rope`` (see the module docstring); everything else is FLUX's code path.
+
+    The attention backend and the context-parallel config diffusers writes on a
+    processor (``_attention_backend``, ``_parallel_config``) are those of the wrapped
+    original, so ``set_attention_backend`` and ``enable_parallelism`` work before and
+    after the patch, and survive ``unpatch``. A call without rotary tables, or with
+    tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
+    """
+
+    def __init__(self, original: Any, ops: _FluxOps) -> None:
+        self.original = original
+        self.ops = ops
+
+    @property
+    def _attention_backend(self) -> Any:
+        return self.original._attention_backend
+
+    @_attention_backend.setter
+    def _attention_backend(self, value: Any) -> None:
+        self.original._attention_backend = value
+
+    @property
+    def _parallel_config(self) -> Any:
+        return self.original._parallel_config
+
+    @_parallel_config.setter
+    def _parallel_config(self, value: Any) -> None:
+        self.original._parallel_config = value
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        if image_rotary_emb is None or image_rotary_emb[0].dim() != 2:
+            # No rotation, or tables other than FluxPosEmbed's [L, D]: FLUX's own code.
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+        from diffusers.models.transformers import transformer_flux as tf
+
+        query, key, value, e_query, e_key, e_value = tf._get_qkv_projections(
+            attn, hidden_states, encoder_hidden_states
+        )
+        D = attn.head_dim
+        query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
+        # apply_rotary_emb rotates in fp32 whatever the tables' dtype: so does the op
+        # given fp32 tables (a no-op for FluxPosEmbed's, which are fp32).
+        cos, sin = (t.to(query.device, torch.float32) for t in image_rotary_emb)
+        qk = self.ops.qk
+        if attn.added_kv_proj_dim is not None:
+            e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
+            T = e_query.shape[1]
+            nq, nk = attn.norm_added_q, attn.norm_added_k
+            t_q, t_k = qk(e_query, e_key, nq.weight, nk.weight, cos[:T], sin[:T], nq.eps)
+            nq, nk = attn.norm_q, attn.norm_k
+            i_q, i_k = qk(query, key, nq.weight, nk.weight, cos[T:], sin[T:], nq.eps)
+            query = torch.cat([t_q, i_q], dim=1)
+            key = torch.cat([t_k, i_k], dim=1)
+            value = torch.cat([e_value, value], dim=1)
+        else:
+            nq, nk = attn.norm_q, attn.norm_k
+            query, key = qk(query, key, nq.weight, nk.weight, cos, sin, nq.eps)
+        hidden_states = tf.dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
+        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
+        if encoder_hidden_states is None:
+            return hidden_states
+        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
+            [
+                encoder_hidden_states.shape[1],
+                hidden_states.shape[1] - encoder_hidden_states.shape[1],
+            ],
+            dim=1,
+        )
+        hidden_states = attn.to_out[0](hidden_states.contiguous())
+        hidden_states = attn.to_out[1](hidden_states)
+        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
+        return hidden_states, encoder_hidden_states
+
+
+# --- check and apply ---------------------------------------------------------------------------
+
+
+@dataclass
+class FluxPlan:
+    """What :meth:`FluxFamily.apply` changes (all checked)."""
+
+    double: list[nn.Module] = field(default_factory=list)
+    single: list[nn.Module] = field(default_factory=list)
+    attentions: list[nn.Module] = field(default_factory=list)  # processors to fuse
+    kept: list[str] = field(default_factory=list)  # processors left as they are
+    norm_out: nn.Module | None = None
+
+
+def _is_plain_layer_norm(m: object) -> bool:
+    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
+
+
+def _qk_norm_problems(attn: nn.Module, where: str) -> list[str]:
+    """The q/k norms of a fused prologue: torch RMSNorms over the head dim, q's and k's of
+    one eps and one weight dtype (the op takes one of each per call)."""
+    pairs = [("norm_q", "norm_k")]
+    if getattr(attn, "added_kv_proj_dim", None) is not None:
+        pairs.append(("norm_added_q", "norm_added_k"))
+    problems = []
+    for qn, kn in pairs:
+        q, k = getattr(attn, qn, None), getattr(attn, kn, None)
+        if type(q) is not nn.RMSNorm or type(k) is not nn.RMSNorm:
+            problems.append(f"{where}.{qn}/{kn} are not torch.nn.RMSNorm")
+            continue
+        if tuple(q.normalized_shape) != (attn.head_dim,) or tuple(k.normalized_shape) != (
+            attn.head_dim,
+        ):
+            problems.append(f"{where}.{qn}/{kn} do not normalise over the head dim")
+        if q.eps != k.eps:
+            problems.append(f"{where}.{qn} and {kn} have different eps ({q.eps}, {k.eps})")
+        qw, kw = q.weight, k.weight
+        if (qw is None) != (kw is None) or (qw is not None and qw.dtype != kw.dtype):
+            problems.append(f"{where}.{qn} and {kn} differ in weight (one None, or dtypes)")
+    return problems
+
+
+def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
+    import diffusers
+    from diffusers.models import normalization
+    from diffusers.models.transformers import transformer_flux as tf
+
+    problems: list[str] = []
+    if options.attention is not None:
+        raise PatchError(
+            "sparse attention is supported for WanTransformer3DModel, not for "
+            f"{type(model).__name__}; call patch(..., attention=None) to patch its blocks only"
+        )
+    plan = FluxPlan()
+    if not options.norms:
+        return plan
+    version = getattr(diffusers, "__version__", "?")
+    for label, (fn, known) in _relied_on().items():
+        fp = fingerprint(fn)
+        if fp not in known:
+            problems.append(
+                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
+                f"ditops knows ({', '.join(sorted(set(known.values())))})"
+            )
+
+    def check_attention(block: nn.Module, where: str) -> None:
+        attn = getattr(block, "attn", None)
+        proc = getattr(attn, "processor", None)
+        if type(proc) is not tf.FluxAttnProcessor:
+            plan.kept.append(f"{where}.attn: {type(proc).__name__}")
+            return
+        found = _qk_norm_problems(attn, f"{where}.attn")  # type: ignore[arg-type]
+        problems.extend(found)
+        if not found:
+            plan.attentions.append(attn)  # type: ignore[arg-type]
+
+    for i, block in enumerate(getattr(model, "transformer_blocks", [])):
+        where = f"transformer_blocks[{i}]"
+        if type(block) is not tf.FluxTransformerBlock:
+            problems.append(f"{where} is a {type(block).__name__}, not FluxTransformerBlock")
+            continue
+        wrapped = forward_wrapper_problem(block, where)
+        if wrapped:
+            problems.append(wrapped)
+        for name in ("norm1", "norm1_context"):
+            norm = getattr(block, name, None)
+            if (
+                type(norm) is not normalization.AdaLayerNormZero
+                or norm.emb is not None
+                or not _is_plain_layer_norm(norm.norm)
+            ):
+                problems.append(
+                    f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
+                )
+        for name in ("norm2", "norm2_context"):
+            if not _is_plain_layer_norm(getattr(block, name, None)):
+                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+        check_attention(block, where)
+        plan.double.append(block)
+    for i, block in enumerate(getattr(model, "single_transformer_blocks", [])):
+        where = f"single_transformer_blocks[{i}]"
+        if type(block) is not tf.FluxSingleTransformerBlock:
+            problems.append(f"{where} is a {type(block).__name__}, not FluxSingleTransformerBlock")
+            continue
+        wrapped = forward_wrapper_problem(block, where)
+        if wrapped:
+            problems.append(wrapped)
+        norm = getattr(block, "norm", None)
+        if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
+            norm.norm
+        ):
+            problems.append(
+                f"{where}.norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
+            )
+        check_attention(block, where)
+        plan.single.append(block)
+    norm_out = getattr(model, "norm_out", None)
+    if type(norm_out) is not normalization.AdaLayerNormContinuous or not _is_plain_layer_norm(
+        norm_out.norm
+    ):
+        problems.append("norm_out is not an AdaLayerNormContinuous over a LayerNorm without affine")
+    else:
+        wrapped = forward_wrapper_problem(norm_out, "norm_out")
+        if wrapped:
+            problems.append(wrapped)
+        plan.norm_out = norm_out
+    refuse(model, problems)
+    return plan
+
+
+class FluxFamily:
+    """diffusers' ``FluxTransformer2DModel``: fused adaLN chain and attention prologue."""
+
+    name = "flux"
+
+    def recognise(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "FluxTransformer2DModel" and hasattr(
+            model, "single_transformer_blocks"
+        )
+
+    def check(self, model: nn.Module, options: PatchOptions) -> FluxPlan:
+        """Everything the patch relies on, checked before any change. Raises PatchError."""
+        return _check(model, options)
+
+    def apply(
+        self, model: nn.Module, plan: FluxPlan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Patch a checked FLUX model in place, recording every change on ``record``."""
+        if not options.norms:
+            return
+        ops = _FluxOps(options.precision)
+        for block in plan.double:
+            replace_forward(block, functools.partial(double_block_forward, block, ops), record)
+        for block in plan.single:
+            replace_forward(block, functools.partial(single_block_forward, block, ops), record)
+        record.count("fused blocks", len(plan.double) + len(plan.single))
+        for attn in plan.attentions:
+            processor = FusedFluxAttnProcessor(attn.processor, ops)
+            record.add(AttrSet.apply(attn, "processor", processor))
+        record.count("fused attention prologues", len(plan.attentions))
+        if plan.kept:
+            record.count("attention processors kept", len(plan.kept))
+        if plan.norm_out is not None:
+            norm = plan.norm_out
+            replace_forward(norm, functools.partial(norm_out_forward, norm, ops), record)
+            record.count("fused output norm")

@@ -1,0 +1,222 @@
+"""What the blocked CPU kernels share: per-thread scratch blocks and a LayerNorm on row blocks
+that does not depend on the allocator's mood.
+
+The exact kernels run eager ATen ops on blocks of rows small enough to stay in cache.
+Every temporary such a loop allocates is a malloc of a block's size (1-4 MiB). glibc
+serves those from the heap, reusing the memory just freed, only once its mmap threshold
+has grown past them (it starts at 128 KiB and grows after large frees); with the
+threshold fixed at its starting value (``MALLOC_MMAP_THRESHOLD_=131072``, or a program
+that sets it) each one is a fresh ``mmap``: a page fault per 4 KiB and a ``munmap`` per
+block, which made the exact FP32LayerNorm as slow as the meaning (field notes, "glibc
+malloc and blocked CPU kernels"). So:
+
+* The kernels' own temporaries live in :func:`scratch` blocks: per thread, allocated
+  once, reused by every later call (at most ``_MAX_SLOTS`` blocks of a kernel's block
+  size, 10 MiB with the modulation kernels' 4 MiB blocks), freed when the thread ends
+  or by :func:`release`.
+* The one temporary ATen allocates itself is LayerNorm's output: ``native_layer_norm``
+  has no real ``out=`` kernel (its ``.out`` overload is generated: it allocates and
+  copies). :func:`layer_norm_into` / :func:`layer_norm_rows` therefore run it either
+  once per block (when the allocator recycles memory, the fewest calls) or on pieces of
+  at most :data:`PIECE_BYTES`, which glibc serves from the heap whatever its threshold.
+  Which one is decided once per call by :func:`fresh_pages`, a probe of whether a new
+  block-sized allocation comes on pages never touched. Both give the same bits:
+  LayerNorm normalises each row on its own.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import mmap
+import sys
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+#: LayerNorm pieces whose output is at most this big come from malloc's heap even with
+#: glibc's mmap threshold at its starting value (128 KiB), with room left for the
+#: allocator's header and the 64-byte alignment PyTorch asks for.
+PIECE_BYTES = 120 * 1024
+
+#: Calls with fewer blocks keep one LayerNorm call per block without probing.
+_MIN_BLOCKS = 4
+
+#: Scratch slots a kernel may hold per thread (0 and 1 fp32 blocks, 2 a low-precision one).
+_MAX_SLOTS = 3
+
+_PAGE = mmap.PAGESIZE
+#: maps mincore's per-page byte to its "resident" bit
+_RESIDENT_BIT = bytes(b & 1 for b in range(256))
+
+
+# --- the page probe ---------------------------------------------------------------------
+
+
+@functools.cache
+def _mincore() -> Callable[..., int] | None:
+    """libc's ``mincore`` (Linux, macOS), or None where there is none."""
+    if not sys.platform.startswith(("linux", "darwin")):
+        return None
+    try:
+        fn = ctypes.CDLL(None).mincore
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def fresh_pages(nbytes: int) -> bool:
+    """Whether a new CPU tensor of ``nbytes`` comes on pages never touched.
+
+    True means the allocator hands out fresh memory for this size (glibc with a fixed
+    mmap threshold below it, or a heap that just grew): every such temporary costs page
+    faults. False when its pages are resident (a recycled chunk) or when it cannot be
+    told (no ``mincore``): then the caller keeps its one-call-per-block plan. The probe
+    is touched when found fresh, so an allocator that does recycle answers False from
+    the next call on; a non-recycling one pays that one block of faults per call.
+    """
+    mincore = _mincore()
+    if mincore is None:
+        return False
+    probe = torch.empty(nbytes, dtype=torch.uint8)
+    addr = probe.data_ptr()
+    first = -(-addr // _PAGE) * _PAGE
+    pages = (addr + nbytes) // _PAGE - first // _PAGE
+    if pages <= 0:
+        return False
+    vec = ctypes.create_string_buffer(pages)
+    if mincore(first, pages * _PAGE, vec) != 0:
+        return False
+    resident = vec.raw.translate(_RESIDENT_BIT).count(1)
+    if 2 * resident >= pages:
+        return False
+    probe.zero_()
+    return True
+
+
+def piece_rows(rows: int, block_rows: int, row_bytes: int) -> int:
+    """Rows per LayerNorm call for a call of ``rows`` rows in blocks of ``block_rows``,
+    LayerNorm's output rows taking ``row_bytes``.
+
+    ``block_rows`` (one call per block) unless a block-sized output would come on fresh
+    pages, a piece of :data:`PIECE_BYTES` holds at least one row, and the call has at
+    least :data:`_MIN_BLOCKS` blocks (the probe may cost one block's faults itself).
+    """
+    nbytes = block_rows * row_bytes
+    if nbytes <= PIECE_BYTES or row_bytes > PIECE_BYTES or rows < _MIN_BLOCKS * block_rows:
+        return block_rows
+    if not fresh_pages(nbytes):
+        return block_rows
+    return PIECE_BYTES // row_bytes
+
+
+def block_step(step: int, piece: int) -> int:
+    """``step`` rounded down to whole pieces (no ragged piece inside a block)."""
+    return step if piece >= step else step // piece * piece
+
+
+# --- LayerNorm on a block of rows ---------------------------------------------------------
+
+
+def layer_norm_into(
+    dst: torch.Tensor,
+    src: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    piece: int,
+) -> None:
+    """``dst.copy_(layer_norm(src))`` over the last dim of 2-D ``src``, ``piece`` rows per
+    call; ``dst`` may be ``src`` itself or of another dtype (``copy_`` rounds as ``.to``)."""
+    shape = (src.shape[-1],)
+    if piece >= src.shape[0]:
+        dst.copy_(torch.layer_norm(src, shape, weight, bias, eps))
+        return
+    for s, d in zip(src.split(piece), dst.split(piece), strict=True):
+        d.copy_(torch.layer_norm(s, shape, weight, bias, eps))
+
+
+def layer_norm_rows(
+    src: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    eps: float,
+    piece: int,
+    work: torch.Tensor,
+) -> torch.Tensor:
+    """``layer_norm(src)``: ATen's own output when ``piece`` covers the block (no copy),
+    else written piece by piece into ``work`` (same shape and dtype; may be ``src``)."""
+    if piece >= src.shape[0]:
+        return torch.layer_norm(src, (src.shape[-1],), weight, bias, eps)
+    layer_norm_into(work, src, weight, bias, eps, piece)
+    return work
+
+
+# --- per-thread scratch ----------------------------------------------------------------
+
+
+class _Pool(threading.local):
+    def __init__(self) -> None:
+        self.buffers: dict[int, torch.Tensor] = {}
+        self.busy = False
+
+
+_pool = _Pool()
+
+
+class Scratch:
+    """Scratch blocks for one kernel call: ``take(slot, rows, cols, dtype)``."""
+
+    def __init__(self, buffers: dict[int, torch.Tensor]) -> None:
+        self._buffers = buffers
+
+    def take(self, slot: int, rows: int, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A contiguous ``[rows, cols]`` tensor of ``dtype`` in ``slot`` (contents undefined).
+
+        The memory is kept for later calls; it grows to the largest request and no
+        further. Never return it (or a view of it) to a caller.
+        """
+        if not 0 <= slot < _MAX_SLOTS:
+            raise ValueError(f"scratch slot {slot} out of range [0, {_MAX_SLOTS})")
+        nbytes = rows * cols * dtype.itemsize
+        buf = self._buffers.get(slot)
+        if buf is None or buf.numel() < nbytes:
+            self._buffers.pop(slot, None)  # free the old one first
+            # A normal tensor, so later calls may use it in and out of inference mode.
+            with torch.inference_mode(False):
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._buffers[slot] = buf
+        return buf[:nbytes].view(dtype).view(rows, cols)
+
+
+@contextlib.contextmanager
+def scratch() -> Iterator[Scratch]:
+    """This thread's scratch for one kernel call, under ``torch.no_grad()``.
+
+    A call made while another holds the thread's scratch (a kernel run from a hook
+    inside a kernel) gets blocks of its own, freed at its end.
+    """
+    if _pool.busy:
+        with torch.no_grad():
+            yield Scratch({})
+        return
+    _pool.busy = True
+    try:
+        with torch.no_grad():
+            yield Scratch(_pool.buffers)
+    finally:
+        _pool.busy = False
+
+
+def release() -> None:
+    """Free the calling thread's scratch blocks (they are made again when next needed)."""
+    _pool.buffers.clear()
+
+
+def held_bytes() -> int:
+    """Bytes of scratch the calling thread holds."""
+    return sum(b.numel() for b in _pool.buffers.values())

@@ -1,0 +1,37 @@
+"""Counting the calls that reach ops' fast paths, so a parity test can show that the
+fused path ran (a silent fall back to the eager expressions would be trivially equal)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import pytest
+
+import ditops
+
+
+def install_spies(
+    monkeypatch: pytest.MonkeyPatch, classes: Iterable[type], path: str = "forward_cpu"
+) -> dict[str, int]:
+    """Replace each class's ``path`` method by one that counts its calls; returns the
+    live ``{op_name: calls}`` and drops the classes' plans so the dispatcher sees the spies."""
+    calls: dict[str, int] = {}
+    for cls in classes:
+        original = getattr(cls, path)
+
+        def spy(self, *a, _original=original, _name=cls.op_name, **k):
+            calls[_name] = calls.get(_name, 0) + 1
+            return _original(self, *a, **k)
+
+        spy._ditops_path = original._ditops_path  # type: ignore[attr-defined]
+        monkeypatch.setattr(cls, path, spy)
+        cls._plans = {}
+    return calls
+
+
+def spy_forward_cpu(monkeypatch: pytest.MonkeyPatch, classes: Iterable[type]) -> Iterator[dict]:
+    """For a fixture: yields the calls of each class's ``forward_cpu``, drops every op's
+    plans afterwards."""
+    yield install_spies(monkeypatch, classes)
+    for cls in ditops.registered_ops().values():
+        cls._plans = {}

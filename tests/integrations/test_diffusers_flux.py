@@ -1,0 +1,368 @@
+"""ditops.patch on a tiny diffusers FluxTransformer2DModel built from keyword arguments.
+
+Parity: exact precision is bitwise equal to the unpatched model in fp32, bf16 and fp16
+(fp16 also exercises FLUX's clipping), with the fused CPU paths shown to run (not a
+silent fall back to the eager expressions, which would be trivially equal); fast
+precision is within the stated tolerance; unpatch restores bitwise. Then what a patch
+must survive: deep copies, pickling, patching again, diffusers' cache hooks in both
+orders, torch.compile before any eager call, and models it must refuse.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops import config
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.custom_op import reset_state
+from ditops.integrations import PatchError
+from ditops.integrations import flux as flux_integration
+from tests.integrations.spies import install_spies, spy_forward_cpu
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import FluxTransformer2DModel  # noqa: E402
+
+# fast precision: the patched model's output against the unpatched one, relative to the
+# output's scale (bf16/fp16 activations through 4 blocks: a few ulps of the dtype).
+FAST_REL_TOL = 2e-2
+
+TINY = dict(
+    patch_size=1,
+    in_channels=8,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=24,
+    pooled_projection_dim=12,
+    guidance_embeds=False,
+    axes_dims_rope=(4, 6, 6),
+)
+TEXT = 7  # an odd number of text tokens: the tables split at an odd row
+
+
+def tiny_flux(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> FluxTransformer2DModel:
+    torch.manual_seed(0)
+    return FluxTransformer2DModel(**{**TINY, **overrides}).to(dtype).eval()
+
+
+def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1, side: int = 6) -> dict:
+    g = torch.Generator().manual_seed(1)
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    img_ids = torch.stack([torch.zeros_like(rows), rows, cols], -1).reshape(-1, 3).float()
+    return {
+        "hidden_states": torch.randn(batch, side * side, 8, generator=g).to(dtype) * 2,
+        "encoder_hidden_states": torch.randn(batch, TEXT, 24, generator=g).to(dtype),
+        "pooled_projections": torch.randn(batch, 12, generator=g).to(dtype),
+        "timestep": torch.tensor([0.7] * batch, dtype=dtype),
+        "img_ids": img_ids,
+        "txt_ids": torch.zeros(TEXT, 3),
+    }
+
+
+def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        if step is None:
+            return model(**kw, return_dict=False)[0]
+        with model.cache_context("cond", step_index=step):
+            return model(**kw, return_dict=False)[0]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture
+def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
+    from ditops.layers import adaln, qk_norm_rope
+
+    yield from spy_forward_cpu(
+        monkeypatch,
+        (
+            adaln.AdaLNModulateOp,
+            adaln.AdaLNResidualOp,
+            adaln.AdaLNResidualModulateOp,
+            qk_norm_rope.QKNormRopeOp,
+        ),
+    )
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_flux(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["FluxTransformer2DModel"] == {
+        "fused blocks": 4,
+        "fused attention prologues": 4,
+        "fused output norm": 1,
+    }
+    out = run(model, **x)
+    assert torch.equal(out, ref)
+    # every fused CPU path ran: 2 double blocks (2 modulated norms, 2 residual+norm, 2
+    # residuals, 2 prologues: text and image), 2 single blocks, the output norm
+    assert cpu_paths == {
+        "adaln_modulate": 2 * 2 + 2 + 1,
+        "adaln_residual_modulate": 2 * 2,
+        "adaln_residual": 2 * 2 + 2,
+        "qk_norm_rope": 2 * 2 + 2,
+    }
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_patch_within_tolerance(dtype: str) -> None:
+    model = tiny_flux(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_guidance_and_tables_given_in_another_dtype() -> None:
+    """FLUX.1-dev's guidance embedding; rotary tables that arrive as bf16 still rotate in
+    fp32 as diffusers' apply_rotary_emb does."""
+    model = tiny_flux(torch.bfloat16, guidance_embeds=True)
+    x = {**inputs(), "guidance": torch.tensor([3.5], dtype=torch.bfloat16)}
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+    attn = model.single_transformer_blocks[0].attn
+    h = torch.randn(1, 9, 32, dtype=torch.bfloat16)
+    cos, sin = (t.bfloat16() for t in model.pos_embed(torch.zeros(9, 3) + 1.5))
+    processor = attn.processor
+    with torch.inference_mode():
+        got = processor(attn, h, image_rotary_emb=(cos, sin))
+        want = processor.original(attn, h, image_rotary_emb=(cos, sin))
+    assert torch.equal(got, want)
+
+
+def test_other_processors_are_kept_and_the_blocks_still_fused() -> None:
+    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+    class MyProcessor(FluxAttnProcessor):
+        pass
+
+    model = tiny_flux()
+    x = inputs()
+    mine = MyProcessor()
+    model.single_transformer_blocks[1].attn.set_processor(mine)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    summary = report.models["FluxTransformer2DModel"]
+    assert summary["fused attention prologues"] == 3
+    assert summary["attention processors kept"] == 1
+    assert model.single_transformer_blocks[1].attn.processor is mine
+    assert torch.equal(run(model, **x), ref)
+
+
+def _affine_norm2(model: nn.Module) -> None:
+    model.transformer_blocks[1].norm2 = nn.LayerNorm(32, elementwise_affine=True).bfloat16()
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "fragment"),
+    [
+        (_affine_norm2, {}, r"transformer_blocks\[1\].norm2 is not a LayerNorm without affine"),
+        (lambda m: None, {"attention": BlockSparseConfig(sparsity=0.5)}, "WanTransformer3DModel"),
+        (
+            lambda m: setattr(m.single_transformer_blocks[0].attn.norm_k, "eps", 1e-5),
+            {},
+            r"single_transformer_blocks\[0\].attn.norm_q and norm_k have different eps",
+        ),
+    ],
+    ids=["affine_norm", "sparse_attention", "qk_eps"],
+)
+def test_models_it_was_not_written_for_are_refused_whole(
+    change, options: dict, fragment: str
+) -> None:
+    model = tiny_flux()
+    change(model)
+    x = inputs()
+    ref = run(model, **x)
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model, **options)
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_another_diffusers_version_is_refused_by_fingerprint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    relied_on = flux_integration._relied_on()
+    fn, _ = relied_on["apply_rotary_emb"]
+    relied_on["apply_rotary_emb"] = (fn, {"0000000000000000": "diffusers 0.1"})
+    monkeypatch.setattr(flux_integration, "_relied_on", lambda: relied_on)
+    model = tiny_flux()
+    with pytest.raises(PatchError, match=r"apply_rotary_emb of diffusers .* differs"):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+
+
+def test_norms_false_changes_nothing_but_records_the_patch() -> None:
+    model = tiny_flux()
+    report = ditops.patch(model, norms=False)
+    assert report.models["FluxTransformer2DModel"] == {}
+    assert "forward" not in vars(model.transformer_blocks[0])
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_is_an_independent_patched_model() -> None:
+    model = tiny_flux()
+    x = inputs()
+    ditops.patch(model, precision="exact")
+    before = run(model, **x)
+    twin = copy.deepcopy(model)
+    assert torch.equal(run(twin, **x), before)
+    with torch.no_grad():
+        for block in twin.transformer_blocks:
+            block.ff.net[0].proj.weight.mul_(0.5)
+            block.attn.norm_q.weight.mul_(0.5)
+    changed = run(twin, **x)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(model, **x), before)  # and the original is untouched
+    ditops.unpatch(twin)
+    assert torch.equal(run(twin, **x), changed)  # exact: unpatched, the same bits
+    assert hasattr(model, "_ditops_patch")
+    assert torch.equal(run(model, **x), before)
+
+
+def test_patched_model_pickles() -> None:
+    model = tiny_flux()
+    x = inputs()
+    ditops.patch(model, precision="fast")
+    before = run(model, **x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(run(loaded, **x), before)
+    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+    ditops.unpatch(loaded)
+    assert not hasattr(loaded, "_ditops_patch") and "forward" not in vars(
+        loaded.single_transformer_blocks[0]
+    )
+
+
+def test_patching_again_combines_and_switches_precision() -> None:
+    x = inputs(torch.bfloat16, batch=2)
+    model = tiny_flux()
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    fast = run(model, **x)
+    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
+    ditops.patch(model, norms=True)  # precision kept
+    assert model._ditops_patch.options.precision == "fast"
+    assert torch.equal(run(model, **x), fast)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+
+
+def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
+    model._diffusers_hook.reset_stateful_hooks()
+    outs = []
+    with torch.inference_mode():
+        for i in range(steps):
+            with model.cache_context("cond", step_index=i):
+                t = torch.tensor([0.9 - 0.01 * i], dtype=torch.bfloat16)
+                outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
+    return outs
+
+
+def test_first_block_cache_in_both_orders() -> None:
+    from diffusers import FirstBlockCacheConfig
+
+    x = inputs()
+    cache = FirstBlockCacheConfig(threshold=0.2)
+    plain = tiny_flux()
+    plain.enable_cache(cache)
+    want = _fbc_run(plain, x)
+
+    patch_first = tiny_flux()
+    ditops.patch(patch_first, precision="exact")
+    patch_first.enable_cache(cache)
+    assert all(torch.equal(a, b) for a, b in zip(_fbc_run(patch_first, x), want))
+
+    hook_first = tiny_flux()
+    hook_first.enable_cache(cache)
+    ditops.patch(hook_first, precision="exact")
+    assert all(torch.equal(a, b) for a, b in zip(_fbc_run(hook_first, x), want))
+    ditops.unpatch(hook_first)
+    assert all(torch.equal(a, b) for a, b in zip(_fbc_run(hook_first, x), want))
+    hook_first.disable_cache()
+    for block in hook_first.transformer_blocks:
+        assert getattr(block.forward, "__func__", None) is type(block).forward
+
+
+@pytest.fixture
+def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    reset_state()
+    monkeypatch.setattr(config, "_process", None)
+    torch._dynamo.reset()
+    yield
+    reset_state()
+
+
+@pytest.mark.slow
+def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None) -> None:
+    """As tests/integrations/test_compile.py for Wan: the whole patched model compiled
+    before any eager call, fullgraph, no recompile on the second call; aot_eager (dynamo
+    and AOT tracing through the kernels' fake implementations, no inductor code
+    generation). One block of each kind keeps it to seconds. (diffusers'
+    ``compile_repeated_blocks`` recompiles FLUX's single-stream block once whether
+    patched or not: its second call gets a slice of the first's output, another stride.)"""
+    x = inputs()
+    model = tiny_flux(num_layers=1, num_single_layers=1)
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = run(compiled, **x)
+        again = run(compiled, **x)
+    assert torch.equal(first, again)
+    assert torch.equal(first, run(tiny_flux(num_layers=1, num_single_layers=1), **x))
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched model with every fused op on its Triton path (CPU tensors through
+    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
+    precision, against the unpatched model; attention itself runs diffusers' SDPA."""
+    model = tiny_flux(num_layers=1, num_single_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            from ditops.layers import adaln, qk_norm_rope
+
+            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, qk_norm_rope.QKNormRopeOp)
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "qk_norm_rope": 3}
+    assert rel_err(out, ref) <= FAST_REL_TOL
