@@ -3,6 +3,7 @@
 ditops info [--json] [--precision fast|exact]
 ditops bench [SUITE ...] [--size small|full] [--device DEV] [--json PATH] [--no-progress]
              [--malloc both|current]
+torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
 
 from __future__ import annotations
@@ -75,6 +76,8 @@ def _bench(args: argparse.Namespace) -> int:
     )
     from ditops.bench.suites import all_suites
 
+    if args.parallel:
+        return _bench_parallel(args)
     suites = all_suites()
     names = args.suites or ["wan"]
     unknown = [n for n in names if n not in suites and n not in ("wan", "flux")]
@@ -151,6 +154,28 @@ def _bench(args: argparse.Namespace) -> int:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
+
+
+def _bench_parallel(args: argparse.Namespace) -> int:
+    """The wan suite under diffusers' context parallelism, one rank per torchrun process."""
+    if args.suites and args.suites != ["wan"]:
+        print("ditops bench: --parallel runs the wan suite only", file=sys.stderr)
+        return 2
+    try:
+        import diffusers  # noqa: F401 - the wan suite builds a diffusers model
+    except ImportError:
+        print(
+            "ditops bench: --parallel needs diffusers: pip install 'ditops[bench]'", file=sys.stderr
+        )
+        return 2
+    from ditops.bench import parallel
+    from ditops.bench.wan import ModelLoadError
+
+    try:
+        return parallel.main(args)
+    except (parallel.LaunchError, ModelLoadError) as exc:
+        print(f"ditops bench: {exc}", file=sys.stderr)
+        return 2
 
 
 def _glibc() -> bool:
@@ -249,6 +274,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="PATH",
         help="wan suite: a local diffusers WanTransformer3DModel checkpoint (local files only)",
+    )
+    bench.add_argument(
+        "--parallel",
+        choices=("ulysses", "ring", "unified"),
+        default=None,
+        help="wan suite under diffusers' context parallelism, one rank per process: launch "
+        "with torchrun --nproc-per-node N -m ditops bench --parallel MODE",
     )
     bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -75,7 +75,7 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
-    from ditops.layers import modulation
+    from ditops.layers import modulation, qk_norm_rope
 
     yield from spy_forward_cpu(
         monkeypatch,
@@ -84,6 +84,7 @@ def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             modulation.GatedResidualOp,
             modulation.ScaleResidualLayerNormScaleShiftOp,
             FP32LayerNorm,
+            qk_norm_rope.QKNormRopeOp,
         ),
     )
 
@@ -109,13 +110,26 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
         "scale_residual_layer_norm_scale_shift": 4,
         "gated_residual": 2,
         "fp32_layer_norm": 1,
+        "qk_norm_rope": 2,
     }
+    assert report.models["WanTransformer3DModel"]["fused attention prologues"] == 2
     ditops.unpatch(model)
+    assert type(model.blocks[0].attn1.processor).__name__ == "WanAttnProcessor"
     assert type(model.blocks[0].norm2).__name__ == "FP32LayerNorm" and not isinstance(
         model.blocks[0].norm2, FP32LayerNorm
     )
     assert "forward" not in vars(model.blocks[0])
     assert torch.equal(run(model, **x), ref)
+
+
+def test_exact_patch_in_fp32_is_bitwise_equal(cpu_paths: dict[str, int]) -> None:
+    torch.manual_seed(0)
+    model = WanTransformer3DModel(**TINY).eval()
+    x = {k: v.float() if v.is_floating_point() else v for k, v in inputs().items()}
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths["qk_norm_rope"] == 2 and cpu_paths["layer_norm_scale_shift"] == 2
 
 
 def test_fast_patch_within_tolerance() -> None:

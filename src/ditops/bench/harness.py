@@ -66,6 +66,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
     elif device.type == "xpu":
         torch.xpu.synchronize(device)  # type: ignore[attr-defined]
+    elif device.type != "cpu":  # an Ascend NPU (torch_npu) and other accelerators
+        torch.accelerator.synchronize(device)
 
 
 def time_call(

@@ -15,9 +15,11 @@ rounded once: ``layer_norm_scale_shift`` for the first line, the fused
 residual add, which is the same fp32 add rounded once), and ``gated_residual`` for the
 last. In exact precision each is bitwise equal to those eager expressions.
 
-Self-attention (``attn1``) optionally runs block-sparse: a processor wraps diffusers'
-``WanAttnProcessor``, runs it unchanged on dense steps and runs ditops'
-:class:`~ditops.layers.attention.BlockSparseAttention` on sparse ones.
+Self-attention (``attn1``) gets a processor of ditops' (:class:`WanSelfAttnProcessor`,
+wrapping diffusers' ``WanAttnProcessor``): with the fused blocks, ``norm_q``/``norm_k``
+and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precision);
+with ``attention=BlockSparseConfig(...)``, ditops'
+:class:`~ditops.layers.attention.BlockSparseAttention` runs on the sparse steps.
 
 Before changing anything, :meth:`WanFamily.check` compares every block and processor
 against what this module was written for (types, sub-modules and a fingerprint of the
@@ -46,6 +48,7 @@ from ditops.integrations.base import (
     replace_forward,
 )
 from ditops.integrations.norms import swap_norms
+from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
 from ditops.integrations.steps import StepState, track_steps
 
 # base.fingerprint of the diffusers versions this module was checked against.
@@ -76,7 +79,8 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
             f"WanTransformerBlock.forward of diffusers {version} (fingerprint {fp}) differs "
             f"from the versions ditops knows ({', '.join(KNOWN_BLOCK_FORWARD.values())})"
         )
-    if attention is not None:
+    processor = norms or attention is not None  # attn1's processor is replaced
+    if processor:
         fp_attn = fingerprint(transformer_wan.WanAttnProcessor.__call__)
         if fp_attn not in KNOWN_ATTN_PROCESSOR:
             problems.append(
@@ -107,15 +111,32 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
         table = getattr(block, "scale_shift_table", None)
         if not isinstance(table, torch.Tensor) or table.dim() != 3 or table.shape[1] != 6:
             problems.append(f"{where}.scale_shift_table is not a [1, 6, C] tensor")
-        if attention is not None:
+        if processor:
             proc = getattr(block.attn1, "processor", None)
             if type(proc) is not transformer_wan.WanAttnProcessor:
                 problems.append(
                     f"{where}.attn1.processor is a {type(proc).__name__}, not WanAttnProcessor"
                 )
+        if norms:
+            problems += _prologue_problems(block.attn1, f"{where}.attn1")
         blocks.append(block)
     refuse(model, problems)
     return WanPlan(blocks)
+
+
+def _prologue_problems(attn: nn.Module, where: str) -> list[str]:
+    """Why the fused prologue cannot stand in for this attention's norm_q / norm_k."""
+    width = attn.inner_dim
+    problems = []
+    for name in ("norm_q", "norm_k"):
+        norm = getattr(attn, name, None)
+        if not isinstance(norm, nn.RMSNorm) or norm.weight is None:
+            problems.append(f"{where}.{name} is not a torch.nn.RMSNorm with a weight")
+        elif tuple(norm.normalized_shape) != (width,):
+            problems.append(f"{where}.{name} does not normalise across the {attn.heads} heads")
+    if not problems and attn.norm_q.eps != attn.norm_k.eps:
+        problems.append(f"{where}.norm_q and norm_k have different eps")
+    return problems
 
 
 class _ModulationOps:
@@ -180,20 +201,63 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.type_as(x)
 
 
-class SparseWanAttnProcessor:
-    """Wan self-attention with block-sparse attention on the sparse denoising steps.
+class WanSelfAttnProcessor:
+    """Wan self-attention (``attn1``) with ditops' prologue and optional block sparsity.
 
-    Dense steps (and any call it was not written for: cross-attention, a mask, I2V's
-    image keys) run the wrapped ``WanAttnProcessor`` unchanged, so they are bitwise the
-    unpatched model's.
+    ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
+    q and k across heads and the rotary embedding run as one op, on dense and sparse
+    steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
+    :class:`~ditops.layers.attention.BlockSparseAttention`): block-sparse attention on the
+    sparse denoising steps. Without a prologue, dense steps run the wrapped
+    ``WanAttnProcessor`` itself; any call this processor was not written for
+    (cross-attention, a mask, I2V's image keys, no rotary embedding) always does.
+
+    Under diffusers' context parallelism (:mod:`ditops.integrations.parallel`): the
+    config lives on the wrapped processor (``_parallel_config`` and ``_attention_backend``
+    read and write through), so ``enable_parallelism`` after the patch reaches it, a patch
+    after ``enable_parallelism`` (or ``from_pretrained(parallel_config=...)``) finds the
+    config there, and ``unpatch`` leaves it in place. Dense attention is diffusers'
+    ``dispatch_attention_fn`` with that config (its own exchange), as in the unpatched
+    model. Sparse steps exchange q/k/v so that each rank estimates and attends over the
+    whole sequence for its heads; with sparsity and ``ring_degree > 1`` ditops exchanges
+    at every step and dense steps run diffusers' attention backend on the exchanged heads.
     """
 
-    def __init__(self, original: Any, sparse: nn.Module, steps: StepState) -> None:
+    def __init__(
+        self,
+        original: Any,
+        steps: StepState | None = None,
+        sparse: nn.Module | None = None,
+        prologue: Any | None = None,
+    ) -> None:
+        if sparse is not None and steps is None:
+            raise ValueError("WanSelfAttnProcessor: sparse attention needs the step state")
         self.original = original
-        self.sparse = sparse
         self.steps = steps
+        self.sparse = sparse
+        self.prologue = prologue
+
+    # diffusers' enable_parallelism writes _parallel_config into processors that have the
+    # attribute, and checks (set_attention_backend writes) _attention_backend.
+    @property
+    def _parallel_config(self) -> Any:
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value: Any) -> None:
+        self.original._parallel_config = value
+
+    @property
+    def _attention_backend(self) -> Any:
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value: Any) -> None:
+        self.original._attention_backend = value
 
     def _dense_now(self) -> bool:
+        if self.sparse is None or self.steps is None:
+            return True
         cfg = self.sparse.config
         step = self.steps.current()
         if step is None and cfg.skip_first_steps > 0:
@@ -208,11 +272,15 @@ class SparseWanAttnProcessor:
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        cp = context_parallel_of(self._parallel_config)
+        dense = self._dense_now()
+        # ditops' exchange runs dense steps too when sparse steps run under Ring.
+        ours = not dense or (self.sparse is not None and cp is not None and cp.ring_degree > 1)
         if (
             encoder_hidden_states is not None
             or attention_mask is not None
             or getattr(attn, "add_k_proj", None) is not None
-            or self._dense_now()
+            or (not ours and (self.prologue is None or rotary_emb is None))
         ):
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
@@ -220,19 +288,74 @@ class SparseWanAttnProcessor:
         from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query = attn.norm_q(query).unflatten(2, (attn.heads, -1))
-        key = attn.norm_k(key).unflatten(2, (attn.heads, -1))
+        query, key = self._norm_rope(attn, query, key, rotary_emb)
         value = value.unflatten(2, (attn.heads, -1))
-        if rotary_emb is not None:
-            query = _apply_rotary(query, *rotary_emb)
-            key = _apply_rotary(key, *rotary_emb)
-        shape = self.steps.latent_shape
-        if shape is not None:
-            self.sparse.set_video_shape(shape, self.steps.patch_size)
-        out = self.sparse(query, key, value, layout="BSND", step=self.steps.current())
+        if not ours:  # dense, as WanAttnProcessor calls it (diffusers' exchange, if any)
+            from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+            out = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=None,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        else:
+            attend = self._dense if dense else self._sparse
+            if cp is None:
+                out = attend(query, key, value)
+            else:
+                out = attend_across_ranks(cp, query, key, value, attend)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
+
+    def _norm_rope(
+        self,
+        attn: nn.Module,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``norm_q``/``norm_k`` (across heads), split into heads, rotary embedding."""
+        heads = attn.heads
+        if self.prologue is not None and rotary_emb is not None:
+            cos, sin = rotary_emb
+            return self.prologue(
+                query.unflatten(2, (heads, -1)),
+                key.unflatten(2, (heads, -1)),
+                attn.norm_q.weight,
+                attn.norm_k.weight,
+                cos[..., 0::2],  # the entries WanAttnProcessor reads
+                sin[..., 1::2],
+                attn.norm_q.eps,
+                across_heads=True,
+            )
+        query = attn.norm_q(query).unflatten(2, (heads, -1))
+        key = attn.norm_k(key).unflatten(2, (heads, -1))
+        if rotary_emb is not None:
+            query = _apply_rotary(query, *rotary_emb)
+            key = _apply_rotary(key, *rotary_emb)
+        return query, key
+
+    def _sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Estimate + block-sparse attention over the whole sequence ([B, S, N, D])."""
+        assert self.sparse is not None and self.steps is not None
+        shape = self.steps.latent_shape  # the whole video: recorded before any split
+        if shape is not None:
+            self.sparse.set_video_shape(shape, self.steps.patch_size)
+        return self.sparse(q, k, v, layout="BSND", step=self.steps.current())
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Dense attention as WanAttnProcessor runs it on one device (its backend)."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(
+            q, k, v, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
 
 
 class WanFamily:
@@ -257,15 +380,30 @@ class WanFamily:
             for block in plan.blocks:
                 replace_forward(block, functools.partial(fused_block_forward, block, ops), record)
                 record.count("fused blocks")
-        if options.attention is not None:
-            from ditops.layers.attention import BlockSparseAttention
+        if options.norms or options.attention is not None:
+            self._attention(model, plan, record, options)
 
+    def _attention(
+        self, model: nn.Module, plan: WanPlan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Self-attention: the fused prologue with the fused blocks, sparsity if asked."""
+        steps = None
+        if options.attention is not None:
             steps = StepState()
             steps.patch_size = tuple(model.config.patch_size)  # type: ignore[attr-defined]
             track_steps(model, steps, record)
-            for block in plan.blocks:
-                original = block.attn1.processor
+        for block in plan.blocks:
+            sparse = prologue = None
+            if options.attention is not None:
+                from ditops.layers.attention import BlockSparseAttention
+
                 sparse = BlockSparseAttention(options.attention)
-                processor = SparseWanAttnProcessor(original, sparse, steps)
-                record.add(AttrSet.apply(block.attn1, "processor", processor))
                 record.count("sparse self-attentions")
+            if options.norms:
+                from ditops.layers.qk_norm_rope import QKNormRopeOp
+
+                prologue = QKNormRopeOp()
+                prologue.precision = options.precision
+                record.count("fused attention prologues")
+            processor = WanSelfAttnProcessor(block.attn1.processor, steps, sparse, prologue)
+            record.add(AttrSet.apply(block.attn1, "processor", processor))
