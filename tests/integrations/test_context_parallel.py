@@ -75,6 +75,12 @@ def inputs(dtype: torch.dtype, frames: int = 4, hw: int = 16) -> dict[str, torch
     }
 
 
+def per_token_inputs() -> dict[str, torch.Tensor]:
+    x = inputs(torch.bfloat16)
+    x["timestep"] = torch.randint(0, 1000, (1, 256), generator=torch.Generator().manual_seed(2))
+    return x
+
+
 def forward(model: nn.Module, step: int, x: dict[str, torch.Tensor]) -> torch.Tensor:
     with torch.inference_mode(), model.cache_context("cond", step_index=step):
         return model(**x, return_dict=False)[0]
@@ -195,6 +201,9 @@ def _one_process(refs: dict[str, Any]) -> None:
         loaded = model_of(fp32, path=refs["checkpoint"])
         ditops.patch(loaded, precision="exact", attention=SPARSE)
         refs["sparse loaded"] = sparse_run(loaded, inputs(fp32))
+        # Wan2.2 TI2V: a timestep per token, which diffusers' plan splits with the sequence
+        per_token = model_of(torch.bfloat16)
+        refs["per token"] = forward(per_token, 1, per_token_inputs())
 
 
 # --- the checks each rank runs ------------------------------------------------------------
@@ -244,6 +253,11 @@ def ulysses_checks(refs: dict[str, Any], rank: int, world: int) -> dict[str, Any
         out["sparse from_pretrained-patch"] = compare_sparse(
             sparse_run(m, x), refs["sparse loaded"], mine
         )
+
+        bf16 = model_of(torch.bfloat16)
+        bf16.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        ditops.patch(bf16, precision="exact")
+        out["norms per token"] = diff(forward(bf16, 1, per_token_inputs()), refs["per token"])
 
         def with_grad() -> None:
             with torch.enable_grad(), m.cache_context("cond", step_index=1):
@@ -417,6 +431,10 @@ def test_ulysses_from_pretrained_with_parallel_config_then_patch(
         assert_sparse_matches(rank["sparse from_pretrained-patch"], "load", TOL["fp32"], heads=1)
         # the first frame's dense blocks come from the whole video, not the shard
         assert rank["latent shape"] == [1, 4, 4, 16, 16]
+
+
+def test_ulysses_exact_norms_with_a_timestep_per_token(ulysses: list[dict[str, Any]]) -> None:
+    assert all(rank["norms per token"] == 0 for rank in ulysses)
 
 
 def test_ulysses_sparse_is_inference_only(ulysses: list[dict[str, Any]]) -> None:
