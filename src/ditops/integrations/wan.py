@@ -240,7 +240,9 @@ class SparseWanAttnProcessor:
         shape = self.steps.latent_shape
         if shape is not None:
             self.sparse.set_video_shape(shape, self.steps.patch_size)
-        out = self.sparse(query, key, value, layout="BSND", step=self.steps.current())
+        out = self.sparse(
+            query, key, value, layout="BSND", step=self.steps.current(), branch=self.steps.branch
+        )
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
         return attn.to_out[1](out)
