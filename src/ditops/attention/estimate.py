@@ -330,7 +330,11 @@ _WARNED_FORCED_ONLY: set[tuple[object, ...]] = set()
 
 
 def _warn_forced_only(budget: BlockBudget, key: tuple[object, ...], keep_ratio: float) -> None:
+    # Dynamo cannot trace a logging call (a graph break, an error under fullgraph): a
+    # compiled call stays quiet and the first eager one warns.
     if budget.forced <= budget.total or key in _WARNED_FORCED_ONLY:
+        return
+    if torch.compiler.is_compiling():
         return
     _WARNED_FORCED_ONLY.add(key)
     q_blocks, kv_blocks, dense_blocks = key[:3]

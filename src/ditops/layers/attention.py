@@ -752,9 +752,25 @@ class BlockSparseAttention(nn.Module):
         branch: str | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This call's mask: estimated, or reused (see the class docstring)."""
-        every = self.config.estimate_every
-        if every == 1 or step is None:
+        if self.config.estimate_every == 1 or step is None:
             return self._estimate(q, k, layout=layout, scale=scale)
+        return self._kept_or_new_mask(q, k, layout=layout, scale=scale, step=step, branch=branch)
+
+    # torch.compile: the bookkeeping reads and writes Python ints (steps) that dynamo would
+    # specialise on, one graph per step until its recompile limit; run it eager instead
+    # (a graph break around the estimate, one graph for the rest).
+    @torch.compiler.disable
+    def _kept_or_new_mask(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        scale: float | None,
+        step: int,
+        branch: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        every = self.config.estimate_every
         key = (
             tuple(q.shape),
             tuple(k.shape),
