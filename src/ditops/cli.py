@@ -1,8 +1,8 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
 ditops info [--json] [--precision fast|exact]
-ditops bench [SUITE ...] [--size small|full] [--device DEV] [--json PATH] [--no-progress]
-             [--malloc both|current]
+ditops bench [SUITE ...] [--size small|full] [--dtype bfloat16|float32] [--device DEV]
+             [--json PATH] [--no-progress] [--malloc both|current]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
 
@@ -217,8 +217,17 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     where = f"--model {args.model}" if args.model else "the built-in small Wan config"
     print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
+    dtype = getattr(torch, args.dtype)
+    warning = wan.cpu_warning(device, dtype)
+    if warning:
+        print(f"ditops bench: {warning}", file=sys.stderr)
     result = wan.run(
-        device, args.size, model_path=args.model, progress=not args.no_progress, plot_path=args.plot
+        device,
+        args.size,
+        model_path=args.model,
+        progress=not args.no_progress,
+        plot_path=args.plot,
+        dtype=dtype,
     )
     wan.print_report(result)
     if args.plot:
@@ -257,7 +266,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=("small", "full"),
         default="small",
-        help="small: a few minutes on 2 CPU cores; full: every shape",
+        help="small: a few minutes on 2 CPU cores; full: every shape (wan: Wan 480p, "
+        "21 latent frames of 30x52 tokens, for GPUs and patient CPU users)",
+    )
+    bench.add_argument(
+        "--dtype",
+        choices=("bfloat16", "float32"),
+        default="bfloat16",
+        help="wan suite: the model's dtype (float32 on CPUs without AVX-512, where bf16 "
+        "matmuls are slow)",
     )
     bench.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from ditops.attention.block_mask import causal_candidates
-from ditops.attention.estimate import select_blocks
+from ditops.attention.estimate import forced_block_mask, select_blocks, select_in_budget
 
 #: Unit roundoff of the 16-bit input dtypes.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
@@ -82,21 +82,30 @@ def near_tie(v, j, kept, scored, tol, threshold) -> bool:
 
 
 def near_tie_violations(mask, want_mask, scores, tol, *, threshold, keep_ratio, causal,
-                        keep_sink, keep_recent, max_rows=None, **_):  # fmt: skip
+                        keep_sink, keep_recent, dense_blocks=0, forced_blocks="in_budget",
+                        max_rows=None, **_):  # fmt: skip
     """Blocks where ``mask`` differs from ``want_mask`` that are not near-ties (see top).
 
     ``scores`` are native's; what native's selection keeps is recomputed from them, as
-    the first-frame forcing hides it in ``want_mask``. ``max_rows``: check only the
-    first that many differing rows (the loop runs in Python).
+    the first-frame forcing hides it in ``want_mask`` (sglang's reading). In ditops'
+    reading (``forced_blocks="in_budget"``) the first frame's blocks are not scored
+    either, and each row keeps a fixed number of blocks by rank: a tie at the cut then
+    swaps one block for another. ``max_rows``: check only the first that many
+    differing rows (the loop runs in Python).
     """
     q_blocks, kv_blocks = scores.shape[-2:]
-    scored = scored_blocks(
-        q_blocks, kv_blocks, causal=causal, keep_sink=keep_sink, keep_recent=keep_recent
-    )
-    selected = select_blocks(
-        scores, threshold=threshold, keep_ratio=keep_ratio, keep_sink=keep_sink,
-        keep_recent=keep_recent, causal=causal,
-    )  # fmt: skip
+    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
+    if forced_blocks == "in_budget":
+        cand = causal_candidates(q_blocks, kv_blocks) if causal else True
+        forced = forced_block_mask(q_blocks, kv_blocks, dense_blocks=dense_blocks, **flags)
+        scored = cand & ~forced
+        selected = select_in_budget(
+            scores, threshold=threshold, keep_ratio=keep_ratio, dense_blocks=dense_blocks,
+            **flags,
+        )  # fmt: skip
+    else:
+        scored = scored_blocks(q_blocks, kv_blocks, **flags)
+        selected = select_blocks(scores, threshold=threshold, keep_ratio=keep_ratio, **flags)
     bad = []
     for b, h, r in (mask != want_mask).any(-1).nonzero()[:max_rows].tolist():
         v, kept = scores[b, h, r], selected[b, h, r]

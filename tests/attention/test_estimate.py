@@ -62,11 +62,13 @@ def test_sink_and_recent_blocks_are_kept(causal: bool) -> None:
 
 
 def test_keep_cap_applies_from_ten_candidates() -> None:
+    """sglang's reading: keep_ratio caps each row's scored blocks."""
     q, k = integer_qk(2, 2, 1000, seed=1)
     keep_ratio = 0.25
     mask, counts = estimate_block_mask_reference(
-        q, k, keep_ratio=keep_ratio, causal=True, keep_sink=False, keep_recent=False, **SMALL
-    )
+        q, k, keep_ratio=keep_ratio, causal=True, keep_sink=False, keep_recent=False,
+        forced_blocks="on_top", **SMALL,
+    )  # fmt: skip
     for r in range(32):
         candidates = r + 1
         if candidates <= 2:
@@ -95,13 +97,18 @@ def test_threshold_one_and_keep_ratio_one_keep_everything() -> None:
     assert torch.equal(mask[0, 0].bool(), causal_candidates(25, 25))
 
 
-def test_first_frame_blocks_are_dense() -> None:
+@pytest.mark.parametrize("forced_blocks", ["in_budget", "on_top"])
+def test_first_frame_blocks_are_dense(forced_blocks: str) -> None:
     q, k = integer_qk(2, 2, 1000)
-    mask, counts = estimate_block_mask_reference(q, k, keep_ratio=0.1, dense_blocks=3, **SMALL)
+    kw = {"keep_ratio": 0.3, "forced_blocks": forced_blocks, **SMALL}
+    mask, counts = estimate_block_mask_reference(q, k, dense_blocks=3, **kw)
     assert bool(mask[..., :3, :].all()) and bool(mask[..., :, :3].all())
     assert torch.equal(counts, row_counts(mask))
-    sparse, _ = estimate_block_mask_reference(q, k, keep_ratio=0.1, **SMALL)
-    assert int(mask.sum()) > int(sparse.sum())
+    sparse, _ = estimate_block_mask_reference(q, k, **kw)
+    if forced_blocks == "on_top":
+        assert int(mask.sum()) > int(sparse.sum())
+    else:  # the same budget, spent differently
+        assert int(mask.sum()) == int(sparse.sum()) and not torch.equal(mask, sparse)
 
 
 def test_dense_forcing_respects_causal_and_copies() -> None:
@@ -180,7 +187,7 @@ def test_matches_the_loop_oracle(seq: int, causal: bool, keep: tuple) -> None:
     # The double computes in fp32 from its (exactly representable) half inputs.
     mask, counts = estimate_block_mask_reference(
         q, k, scale=scale, threshold=threshold, keep_ratio=keep_ratio,
-        keep_sink=sink, keep_recent=recent, causal=causal, **SMALL,
+        keep_sink=sink, keep_recent=recent, causal=causal, forced_blocks="on_top", **SMALL,
     )  # fmt: skip
     want, want_counts = loop_oracle(
         q.bfloat16(), k.bfloat16(), None, None, "BNSD", 4, 32, 4, 2, scale / 4, threshold,

@@ -16,8 +16,11 @@ def test_defaults_are_dense_and_valid() -> None:
 @pytest.mark.parametrize(
     ("fields", "error", "message"),
     [
-        ({"sparsity": -0.1}, ValueError, r"sparsity must be in \[0, 1\), got -0.1"),
-        ({"sparsity": 1.0}, ValueError, r"sparsity must be in \[0, 1\), got 1.0"),
+        ({"sparsity": -0.1}, ValueError, r"sparsity must be in \[0, 1\) .*, got -0.1"),
+        ({"sparsity": 1.0}, ValueError, r"\(a density 1 - sparsity in \(0, 1\]\), got 1.0"),
+        ({"estimate_every": 0}, ValueError, "estimate_every must be >= 1, got 0"),
+        ({"estimate_every": 2.0}, TypeError, "estimate_every must be an int"),
+        ({"forced_blocks": "sglang"}, ValueError, r"forced_blocks must be one of \('in_budget'"),
         ({"sparsity": float("nan")}, ValueError, "got NaN"),
         ({"sparsity": "0.5"}, TypeError, "sparsity must be a number"),
         ({"skip_first_steps": -1}, ValueError, "skip_first_steps must be >= 0, got -1"),

@@ -24,10 +24,8 @@ def test_exact_block_mass_rows_sum_to_block_sizes() -> None:
     torch.testing.assert_close(mass.sum(-1), torch.tensor([32.0, 32, 32, 4]).expand(1, 2, 4))
 
 
-def test_top_blocks_and_oracle_masks() -> None:
+def test_oracle_masks() -> None:
     scores = torch.tensor([[[[0.1, 0.5, 0.2, 0.9], [0.4, 0.3, 0.2, 0.1]]]])
-    mask, counts = bench.top_blocks_mask(scores, 0.5)
-    assert mask.tolist() == [[[[0, 1, 0, 1], [1, 1, 0, 0]]]] and counts.tolist() == [[[2, 2]]]
     oracle = bench._oracle_like(scores, torch.tensor([[[1, 3]]]))
     assert oracle.tolist() == [[[[0, 0, 0, 1], [1, 1, 1, 0]]]]
 
@@ -39,20 +37,30 @@ def test_quality_of_a_dense_keep_is_perfect() -> None:
     with config.override(custom_ops="none"):
         full = bench.quality(q, k, v, 1.0, dense)
         sparse = bench.quality(q, k, v, 0.25, dense)
+        framed = bench.quality(q, k, v, 0.5, dense, dense_blocks=3)
     assert full["density"] == 1.0 and full["mass_vs_oracle"] == 1.0
-    assert full["rel_err"] < 1e-5
-    assert sparse["density"] < 0.6 and 0.5 < sparse["mass_vs_oracle"] <= 1.0 + 1e-6
+    assert full["rel_err"] < 1e-5 and full["cosine"] > 1 - 1e-9 and full["psnr"] > 100
+    # The density asked for is the one that runs, first frame included.
+    assert abs(sparse["density"] - 0.25) < 1 / 144 and abs(framed["density"] - 0.5) < 1 / 144
+    assert 0.5 < sparse["mass_vs_oracle"] <= 1.0 + 1e-6
     assert sparse["oracle_mass_kept"] >= sparse["mass_kept"] - 1e-6
+    assert 0 < sparse["max_abs"] and sparse["cosine"] < 1 and sparse["psnr"] < full["psnr"]
 
 
 def test_summary_checks_the_targets() -> None:
-    def row(variant: str, vs: float) -> dict:
+    def row(variant: str, vs: float, ms: float) -> dict:
         return {
-            "suite": "attention", "case": "S=4096 keep=0.25", "variant": variant,
-            "vs_native": vs, "p_keep": 0.25, "p_S": 4096,
+            "suite": "attention", "case": "S=8064 keep=0.25", "variant": variant,
+            "vs_native": vs, "median_ms": ms, "p_keep": 0.25, "p_density": 0.25, "p_S": 8064,
         }  # fmt: skip
 
-    rows = [row("native", 1.0), row("estimate", 25.0), row("sparse", 3.3), row("est+sparse", 2.5)]
+    rows = [
+        row("native", 1.0, 1000.0),
+        row("estimate", 25.0, 40.0),
+        row("sparse", 3.3, 303.0),
+        row("est+sparse", 2.5, 400.0),
+    ]
     (s,) = bench.summary(rows)
     assert s["sparse_target_met"] and s["estimate_share_of_dense"] == 0.04
-    assert abs(s["sparse_speedup_times_keep"] - 0.825) < 1e-9
+    assert abs(s["sparse_speedup_times_density"] - 0.825) < 1e-9
+    assert (s["dense_ms"], s["estimate_ms"], s["sparse_ms"]) == (1000.0, 40.0, 303.0)

@@ -234,6 +234,43 @@ def test_step_index_is_shared_by_cfg_calls_and_reset_per_pipeline_call() -> None
     assert seen == [0, 0, 1, 1, 0]
 
 
+def test_masks_reused_per_layer_and_guidance_branch_in_a_pipeline_loop() -> None:
+    """estimate_every=2 in a loop like WanPipeline's: cond then uncond per step, inside
+    cache_context; each layer and branch estimates at sparse steps 1 and 3 and reuses at
+    2 and 4; the next pipeline call (step index back to 0) estimates again."""
+    from ditops.layers.attention import estimate_block_mask
+
+    model = tiny_wan(keep_fp32=False)
+    cfg = BlockSparseConfig(
+        sparsity=0.25, skip_first_steps=1, block_size=32, stride=4, estimate_every=2
+    )
+    ditops.patch(model, attention=cfg)
+    x = inputs(frames=4, hw=16)
+    gen = torch.Generator().manual_seed(3)
+    uncond = {**x, "encoder_hidden_states": torch.randn(1, 7, 16, generator=gen).bfloat16()}
+    estimates: list[tuple[int | None, str | None]] = []
+    steps = model._ditops_steps
+    hook = estimate_block_mask.register_forward_hook(
+        lambda *_: estimates.append((steps.current(), steps.branch))
+    )
+    try:
+        for _call in range(2):
+            for step in range(5):
+                for name, kw in (("cond", x), ("uncond", uncond)):
+                    with torch.inference_mode(), model.cache_context(name, step_index=step):
+                        model(**kw, return_dict=False)
+            per_call = list(estimates)
+            estimates.clear()
+            # 2 layers, each for both branches, at steps 1 and 3 only.
+            assert per_call == [(s, b) for s in (1, 3) for b in ("cond", "uncond") for _ in (0, 1)]
+    finally:
+        hook.remove()
+    # Block 1's self-attention sees the text through block 0: the branches differ there.
+    masks = model.blocks[1].attn1.processor.sparse._masks
+    assert set(masks) == {"cond", "uncond"}
+    assert not torch.equal(masks["cond"].mask, masks["uncond"].mask)
+
+
 def test_refuses_a_block_that_does_not_match_and_changes_nothing() -> None:
     model = tiny_wan(keep_fp32=False)
     model.blocks[1].norm1 = nn.LayerNorm(32, elementwise_affine=True)  # not what Wan has

@@ -203,25 +203,36 @@ def test_masks_match_native_except_near_ties(dtype, case, layout):
     assert int((mask != want).sum()) <= 0.01 * mask.numel()
 
 
-def test_the_tie_criterion_rejects_real_differences():
+@pytest.mark.parametrize("forced_blocks", ["in_budget", "on_top"])
+def test_the_tie_criterion_rejects_real_differences(forced_blocks):
     q, k = make_qk(2, 2, 420, dim=16, seed=10)
     opts = {"keep_ratio": 0.3, "threshold": 0.8, "keep_sink": True, "keep_recent": True,
-            "causal": False}  # fmt: skip
+            "causal": False, "forced_blocks": forced_blocks}  # fmt: skip
     (mask, _), (want, _) = op_masks(q, k, **opts, **SMALL)
     scores = native_block_scores(q, k, score_scale=16**-0.5 / 4, causal=False, **SMALL)
     tol = (rtol(BF16, 1), ATOL)
     assert near_tie_violations(mask, want, scores, tol, **opts) == []
-    # Drop the strongest scored block of a row, or keep its weakest: no tie explains that.
-    scored = scored_blocks(14, 14, causal=False, keep_sink=True, keep_recent=True)[5]
-    row = scores[0, 0, 5]
+    # Drop the strongest scored block of a row, or keep its weakest: no tie explains that
+    # (in a row where both stand clear of the cut).
+    scored = scored_blocks(14, 14, causal=False, keep_sink=True, keep_recent=True)[0]
+    for r in range(14):
+        row, kept = scores[0, 0, r], want[0, 0, r].bool() & scored
+        on, off = row[kept].sort(descending=True).values, row[scored & ~kept]
+        gap = 4 * (tol[0] * float(row.max()) + tol[1])  # twice the criterion's tolerance
+        second = float(on[1]) if on.numel() > 1 else -1.0
+        if off.numel() and on.numel() and float(on[0]) - max(float(off.max()), second) > gap:
+            if float(on[-1] - off.min()) > gap:
+                break
+    else:
+        raise AssertionError("no row with a clear cut")
     strongest = int(torch.where(scored, row, -1.0).argmax())
     weakest = int(torch.where(scored, row, 2.0).argmin())
-    assert want[0, 0, 5, strongest] == 1 and want[0, 0, 5, weakest] == 0
+    assert want[0, 0, r, strongest] == 1 and want[0, 0, r, weakest] == 0
     for j, value in ((strongest, 0), (weakest, 1)):
         wrong = want.clone()
-        wrong[0, 0, 5, j] = value
+        wrong[0, 0, r, j] = value
         assert near_tie_violations(wrong, want, scores, tol, **opts) == [
-            (0, 0, 5, j, float(row[j]))
+            (0, 0, r, j, float(row[j]))
         ]
 
 

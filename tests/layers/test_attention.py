@@ -34,6 +34,7 @@ from ditops.layers.attention import (
     block_sparse_attention,
     dense_attention,
     estimate_block_mask,
+    npu_in_budget_ratio,
 )
 from tests.attention.helpers import random_mask
 from tests.doubles.npu_attentions import Recorder, fake_attentions, no_attentions
@@ -335,7 +336,8 @@ def test_npu_current_package_is_preferred_to_the_legacy_one(on_npu) -> None:
     mask, counts = random_mask(1, 2, 2, 2)
     with fake_sgl_kernel_npu() as current, fake_attentions() as legacy, torch.no_grad():
         block_sparse_attention(q, k, v, mask, counts)
-        estimate_block_mask(q, k)
+        # (2 x 2 blocks: in ditops' reading sink and recent are the whole map, no kernel)
+        estimate_block_mask(q, k, forced_blocks="on_top")
     assert len(current.of("ada_block_sparse_attention")) == 1
     assert len(current.of("sparse_block_estimate")) == 1
     assert legacy.calls == []
@@ -452,9 +454,10 @@ def integer_qk(heads: int, kv_heads: int, seq: int, dtype: torch.dtype = torch.b
     return q.to(dtype), k.to(dtype)
 
 
+# sglang's reading: the kernel's own selection, nothing to translate.
 ESTIMATE_KW = {
     "block_size": 128, "stride": 16, "scale": 0.25, "threshold": 0.9, "keep_ratio": 0.3,
-    "keep_sink": True, "keep_recent": False, "dense_blocks": 2,
+    "keep_sink": True, "keep_recent": False, "dense_blocks": 2, "forced_blocks": "on_top",
 }  # fmt: skip
 
 
@@ -482,6 +485,55 @@ def test_npu_estimate_matches_native(on_npu, package: str, layout: str, causal: 
 
 
 @pytest.mark.parametrize("package", ["legacy", "current"])
+@pytest.mark.parametrize(("causal", "threshold"), [(False, 1.0), (True, 1.0), (False, 0.9)])
+def test_npu_estimate_in_budget_holds_the_meanings_blocks(
+    on_npu, package: str, causal: bool, threshold: float
+) -> None:
+    """ditops' reading on the NPU: the kernel's per-row top-k, asked for the largest row
+    budget plus the first frame's columns, keeps every block the meaning keeps."""
+    q, k = integer_qk(4, 2, 1500)  # 12 x 12 blocks
+    dense = 2 if threshold == 1.0 else 0  # threshold < 1 with a first frame runs native
+    kw = {"block_size": 128, "stride": 16, "scale": 0.25, "threshold": threshold,
+          "keep_ratio": 0.6, "keep_sink": True, "keep_recent": True, "dense_blocks": dense,
+          "causal": causal}  # fmt: skip
+    with npu_package(package) as calls, torch.no_grad():
+        assert estimate_block_mask.explain_call(q, k, **kw).chosen == "forward_npu"
+        mask, counts = estimate_block_mask(q, k, **kw)
+    want, _ = estimate_block_mask_reference(q.float(), k.float(), **kw)
+    assert torch.equal(counts, mask.sum(-1, dtype=torch.int32))
+    assert not bool((want.bool() & ~mask.bool()).any())  # every block of the meaning
+    # What ran is the kernel's own reading at the ratio ditops computed on the host.
+    flags = {n: kw[n] for n in ("keep_sink", "keep_recent", "causal", "dense_blocks")}
+    ratio = npu_in_budget_ratio(12, 12, keep_ratio=0.6, **flags)
+    (call,) = calls.of("sparse_block_estimate")
+    assert call[-1] == pytest.approx(ratio)
+    on_top, _ = estimate_block_mask_reference(
+        q.float(), k.float(), **{**kw, "keep_ratio": ratio, "forced_blocks": "on_top"}
+    )
+    assert torch.equal(mask, on_top)
+    if not causal:  # at most dense_blocks + 1 blocks more per row than the meaning's
+        assert int((mask.sum(-1) - want.sum(-1)).max()) <= dense + 1
+        assert float(mask.float().mean()) - 0.6 <= (dense + 1) / 12
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
+def test_npu_estimate_in_budget_threshold_with_a_first_frame_runs_native(
+    on_npu, package: str
+) -> None:
+    q, k = integer_qk(4, 2, 1500)
+    kw = {"threshold": 0.9, "keep_ratio": 0.4, "dense_blocks": 2}
+    with npu_package(package) as calls, torch.no_grad():
+        decision = estimate_block_mask.explain_call(q, k, **kw)
+        mask, counts = estimate_block_mask(q, k, **kw)
+        on_top = estimate_block_mask.explain_call(q, k, forced_blocks="on_top", **kw)
+    assert decision.chosen == "forward_native" and on_top.chosen == "forward_npu"
+    assert any("first frame" in r for c in decision.candidates for r in c.reasons)
+    assert calls.calls == []
+    want = estimate_block_mask_reference(q, k, **kw)
+    assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
+
+
+@pytest.mark.parametrize("package", ["legacy", "current"])
 def test_npu_estimate_cross_attention_runs_native(on_npu, package: str) -> None:
     q, _ = integer_qk(2, 2, 512)
     _, k = integer_qk(2, 2, 256)
@@ -497,8 +549,8 @@ def test_npu_estimate_missing_op_falls_back(on_npu, caplog, ditops_warnings) -> 
     q, k = integer_qk(2, 2, 300)
     with fake_attentions(ops=["ada_block_sparse_attention"]), torch.no_grad():
         with caplog.at_level(logging.WARNING):
-            mask, counts = estimate_block_mask(q, k, keep_ratio=0.5)
-    want = estimate_block_mask_reference(q, k, keep_ratio=0.5)
+            mask, counts = estimate_block_mask(q, k, keep_ratio=0.5, forced_blocks="on_top")
+    want = estimate_block_mask_reference(q, k, keep_ratio=0.5, forced_blocks="on_top")
     assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
     (warning,) = ditops_warnings()
     assert "torch.ops.attentions.sparse_block_estimate" in warning
@@ -525,7 +577,7 @@ def test_npu_estimate_ineligible_calls_run_native(
             want = estimate_block_mask_reference(q, k, **kw)
             assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
         # an eligible call afterwards still takes the kernel: nothing was given up
-        estimate_block_mask(q, k)
+        estimate_block_mask(q, k, forced_blocks="on_top")
     assert decision.chosen == "forward_native"
     assert any(reason in r for r in decision.candidates[0].reasons), decision
     assert len(calls.of("sparse_block_estimate")) == 1 and not ditops_warnings()

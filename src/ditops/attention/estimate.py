@@ -32,18 +32,45 @@ from the contract of the NPU operator ``attentions.sparse_block_estimate``
 Then ``dense_blocks`` (the first video frame, see :mod:`ditops.attention.schedule`)
 forces the first ``F`` block rows and columns on, and counts are recomputed as row sums.
 
-Precision: like the NPU, which holds probabilities and block sums in half precision,
-the work is done in the input dtype with fp32 accumulation: ``q * scale / stride`` is
-rounded to the dtype, the score matmul's output is rounded once, softmax (fp32 inside)
-writes probabilities in the dtype, and a matmul with a 0/1 pooling matrix sums them
-per key block (rounded once); rows of a query block are summed in fp32. With fp32
-inputs everything is fp32. Work is chunked over heads and strided rows, so memory
-stays bounded at any sequence length (and the chunks stay in the caches).
+Steps 4-6 as written are sglang's reading of ``keep_ratio`` (``forced_blocks="on_top"``):
+a per-row cap on the scored blocks, with sink, recent and first-frame blocks kept on
+top, so the density that runs is above ``keep_ratio``. ditops' default reading
+(``forced_blocks="in_budget"``) makes ``keep_ratio`` the share of the whole block map
+that runs, forced blocks included:
+
+* **Forced blocks** are the first ``F`` block rows and columns (causal candidates only),
+  sink and recent blocks, and, under ``causal``, rows of at most two candidates. They
+  take no part in scoring.
+* **The budget** is ``round(keep_ratio * candidates)`` blocks per head (``candidates``:
+  the blocks of the map, the causal triangle's under ``causal``). The forced blocks are
+  paid first; what is left is split over the query block rows in proportion to their
+  scored candidates (largest remainders get one more, earlier rows first on ties).
+  Every head gets the same split, so realised density equals ``keep_ratio`` to within
+  one block (:func:`block_budget`).
+* Each row keeps its share of scored blocks by rank (descending score, the lower key
+  block first on ties: counts are exact); under ``threshold < 1`` a row keeps fewer when
+  its scored mass reaches ``threshold`` sooner (the threshold as in step 4). NaN scores
+  are never kept.
+* When the forced blocks alone are the budget or more, only they run (no scores are
+  computed); when they are more, the first such call per shape and density warns on the
+  ``ditops`` logger, naming the smallest density reachable.
+
+Why per row and not over each head's whole map (one top-k for all its rows): measured
+on video-like inputs at Wan's shape (``benchmarks/cpu/probes/budget_per_row_vs_map.py``,
+8064 tokens, 12 heads, first frame 3 blocks), the whole-map split keeps a little more of
+the softmax mass (0.917 vs 0.909 at density 0.5, 0.676 vs 0.674 at 0.25) and its output
+error against dense attention is lower at density 0.5 (relative L2 0.090 vs 0.101) but
+higher at 0.25 and 0.15 (0.452 vs 0.444, 1.34 vs 1.25), with the worst query blocks
+twice as wrong (their error 4.1 vs 2.0 at 0.25): rows whose attention is spread out lose
+the competition and starve. Per-row splits also keep every row's work equal, and a
+per-row kernel (the NPU's) can follow them.
 """
 
 from __future__ import annotations
 
+import logging
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -55,6 +82,11 @@ from ditops.attention.layout import plan_chunks, to_bnsd
 MIN_CANDIDATES_FOR_CAP = 10
 #: Kept: scored blocks above cut-off minus this (so ties at the cut-off are kept).
 CUTOFF_EPS = 1e-5
+#: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
+#: (ditops), or a per-row cap on scored blocks with forced blocks on top (sglang).
+FORCED_BLOCKS = ("in_budget", "on_top")
+
+logger = logging.getLogger("ditops")
 
 
 def estimate_block_mask_reference(
@@ -71,6 +103,7 @@ def estimate_block_mask_reference(
     keep_recent: bool = True,
     causal: bool = False,
     dense_blocks: int = 0,
+    forced_blocks: str = "in_budget",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Estimate a block mask (see the module docstring for the algorithm).
 
@@ -80,6 +113,9 @@ def estimate_block_mask_reference(
         scale: the attention softmax scale (default ``D ** -0.5``); scores use
             ``scale / stride``.
         dense_blocks: the first ``dense_blocks`` block rows and columns are kept.
+        keep_ratio: ``"in_budget"``: the share of the block map kept, forced blocks
+            included; ``"on_top"``: sglang's per-row cap on scored blocks.
+        forced_blocks: which of those two readings (:data:`FORCED_BLOCKS`).
 
     Returns:
         ``(mask, counts)``: int8 ``[B, Nq, Qb, KVb]`` and int32 ``[B, Nq, Qb]``.
@@ -92,20 +128,24 @@ def estimate_block_mask_reference(
         kv_blocks = num_blocks(int(kb_.shape[2]), block_size)
         mask = torch.zeros(*qb_.shape[:2], q_blocks, kv_blocks, dtype=torch.int8, device=q.device)
         return mask, row_counts(mask)
+    selection = {
+        "threshold": threshold,
+        "keep_ratio": keep_ratio,
+        "keep_sink": keep_sink,
+        "keep_recent": keep_recent,
+        "causal": causal,
+        "dense_blocks": dense_blocks,
+        "forced_blocks": forced_blocks,
+    }
+    without = mask_without_scores(qb_, kb_, block_size=block_size, **selection)
+    if without is not None:
+        return without
     if scale is None:
         scale = int(qb_.shape[-1]) ** -0.5
     scores = block_scores(
         qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride, causal=causal
     )
-    return mask_from_scores(
-        scores,
-        threshold=threshold,
-        keep_ratio=keep_ratio,
-        keep_sink=keep_sink,
-        keep_recent=keep_recent,
-        causal=causal,
-        dense_blocks=dense_blocks,
-    )
+    return mask_from_scores(scores, **selection)
 
 
 def mask_from_scores(
@@ -117,12 +157,26 @@ def mask_from_scores(
     keep_recent: bool,
     causal: bool,
     dense_blocks: int,
+    forced_blocks: str = "in_budget",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 4-6 and the first frame: ``(mask, counts)`` from fp32 block scores.
 
     Every path that computes the block scores itself (the Triton estimate) finishes
     here, so the selection has one definition.
     """
+    if forced_blocks == "in_budget":
+        keep = select_in_budget(
+            scores,
+            threshold=threshold,
+            keep_ratio=keep_ratio,
+            keep_sink=keep_sink,
+            keep_recent=keep_recent,
+            causal=causal,
+            dense_blocks=dense_blocks,
+        )
+        mask = keep.to(torch.int8)
+        return mask, row_counts(mask)
+    _check_reading(forced_blocks)
     keep = select_blocks(
         scores,
         threshold=threshold,
@@ -133,6 +187,250 @@ def mask_from_scores(
     )
     mask = force_dense_blocks(keep, dense_blocks, causal=causal)
     return mask, row_counts(mask)
+
+
+def _check_reading(forced_blocks: object) -> None:
+    if forced_blocks not in FORCED_BLOCKS:
+        raise ValueError(f"forced_blocks must be one of {FORCED_BLOCKS}, got {forced_blocks!r}")
+
+
+# --- the in-budget reading: what runs is what was asked for ----------------------------
+
+
+@dataclass(frozen=True)
+class BlockBudget:
+    """How ``keep_ratio`` of one head's block map splits (the same for every head).
+
+    ``candidates``: blocks of the map (the causal triangle's under ``causal``);
+    ``forced``: of those, the forced ones; ``total``: the budget,
+    ``round(keep_ratio * candidates)``; ``per_row``: scored blocks each query block row
+    keeps (all 0 when ``forced >= total``).
+    """
+
+    candidates: int
+    forced: int
+    total: int
+    per_row: tuple[int, ...]
+
+    @property
+    def forced_only(self) -> bool:
+        """The forced blocks alone take the whole budget (or more)."""
+        return self.forced >= self.total
+
+    @property
+    def density(self) -> float:
+        """The block density that runs: ``max(total, forced) / candidates``."""
+        return max(self.total, self.forced) / self.candidates if self.candidates else 0.0
+
+    @property
+    def min_density(self) -> float:
+        """The smallest density reachable: the forced blocks' share of the map."""
+        return self.forced / self.candidates if self.candidates else 0.0
+
+
+def _row_layout(
+    q_blocks: int,
+    kv_blocks: int,
+    *,
+    dense_blocks: int,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+) -> list[tuple[int, int]]:
+    """Per query block row: (candidates, forced blocks), in plain ints (no tensor reads,
+    so this runs at trace time under torch.compile). Mirrors :func:`forced_block_mask`."""
+    rows = []
+    for r in range(q_blocks):
+        n = min(r + 1, kv_blocks) if causal else kv_blocks
+        if r < dense_blocks or (causal and n <= 2):
+            rows.append((n, n))
+            continue
+        lo = min(dense_blocks, n)  # columns 0 .. lo-1 are the first frame's
+        forced = lo
+        if keep_sink and n > 0 and lo == 0:
+            forced, lo = 1, 1
+        if keep_recent and n - 1 >= lo:
+            forced += 1
+        rows.append((n, forced))
+    return rows
+
+
+def block_budget(
+    q_blocks: int,
+    kv_blocks: int,
+    *,
+    keep_ratio: float,
+    dense_blocks: int,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+) -> BlockBudget:
+    """Split ``keep_ratio`` of the block map over its rows (see the module docstring)."""
+    rows = _row_layout(
+        q_blocks,
+        kv_blocks,
+        dense_blocks=dense_blocks,
+        keep_sink=keep_sink,
+        keep_recent=keep_recent,
+        causal=causal,
+    )
+    candidates = sum(n for n, _ in rows)
+    forced = sum(f for _, f in rows)
+    total = math.floor(float(keep_ratio) * candidates + 0.5)
+    left = total - forced
+    if left <= 0:
+        return BlockBudget(candidates, forced, total, (0,) * q_blocks)
+    scorable = [n - f for n, f in rows]
+    pool = sum(scorable)  # >= left, as total <= candidates
+    per_row = [left * s // pool for s in scorable]
+    # Largest remainders get the blocks the floors left over (earlier rows first on ties).
+    spare = left - sum(per_row)
+    order = sorted(range(q_blocks), key=lambda r: (-((left * scorable[r]) % pool), r))
+    for r in order[:spare]:
+        per_row[r] += 1
+    return BlockBudget(candidates, forced, total, tuple(per_row))
+
+
+def candidate_blocks(
+    q_blocks: int, kv_blocks: int, *, causal: bool, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool ``[Qb, KVb]``: every block, or the causal triangle's."""
+    if causal:
+        return causal_candidates(q_blocks, kv_blocks, device)
+    return torch.ones(q_blocks, kv_blocks, dtype=torch.bool, device=device)
+
+
+def forced_block_mask(
+    q_blocks: int,
+    kv_blocks: int,
+    *,
+    dense_blocks: int,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+    device: torch.device | str | None = None,
+) -> torch.Tensor:
+    """Bool ``[Qb, KVb]``: the blocks the in-budget reading always keeps."""
+    rows = torch.arange(q_blocks, device=device)[:, None]
+    col = torch.arange(kv_blocks, device=device)[None, :]
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=device)
+    n_cand = cand.sum(-1, keepdim=True)
+    forced = (rows < dense_blocks) | (col < dense_blocks)
+    if keep_sink:
+        forced |= col == 0
+    if keep_recent:
+        forced |= col == n_cand - 1
+    if causal:
+        forced |= n_cand <= 2
+    return forced & cand
+
+
+#: (shape, first frame, ratio, flags) already warned about: each warns once per process.
+_WARNED_FORCED_ONLY: set[tuple[object, ...]] = set()
+
+
+def _warn_forced_only(budget: BlockBudget, key: tuple[object, ...], keep_ratio: float) -> None:
+    # Dynamo cannot trace a logging call (a graph break, an error under fullgraph): a
+    # compiled call stays quiet and the first eager one warns.
+    if budget.forced <= budget.total or key in _WARNED_FORCED_ONLY:
+        return
+    if torch.compiler.is_compiling():
+        return
+    _WARNED_FORCED_ONLY.add(key)
+    q_blocks, kv_blocks, dense_blocks = key[:3]
+    logger.warning(
+        "ditops block-sparse attention: the forced blocks (first frame: %d block rows and "
+        "columns, sink, recent) are %.3f of the %dx%d block map, more than the density "
+        "asked for (%.3f = 1 - sparsity); running the forced blocks only. The smallest "
+        "density reachable at this shape is %.3f (sparsity %.3f).",
+        dense_blocks,
+        budget.min_density,
+        q_blocks,
+        kv_blocks,
+        keep_ratio,
+        budget.min_density,
+        1.0 - budget.min_density,
+    )
+
+
+def mask_without_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    threshold: float,
+    keep_ratio: float,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+    dense_blocks: int,
+    forced_blocks: str,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mask, counts)`` when the in-budget selection needs no scores, else ``None``.
+
+    That is when the forced blocks take the whole budget (they alone run; warns once),
+    or when the budget is every candidate and no threshold can drop one. q/k as BNSD.
+    """
+    if forced_blocks != "in_budget":
+        return None
+    q_blocks = num_blocks(int(q.shape[2]), block_size)
+    kv_blocks = num_blocks(int(k.shape[2]), block_size)
+    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
+    budget = block_budget(
+        q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
+    )
+    if budget.forced_only:
+        _warn_forced_only(
+            budget, (q_blocks, kv_blocks, dense_blocks, keep_ratio, *flags.values()), keep_ratio
+        )
+        keep = forced_block_mask(
+            q_blocks, kv_blocks, dense_blocks=dense_blocks, device=q.device, **flags
+        )
+    elif budget.total == budget.candidates and threshold >= 1.0:
+        keep = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=q.device)
+    else:
+        return None
+    mask = keep.to(torch.int8).expand(int(q.shape[0]), int(q.shape[1]), -1, -1).contiguous()
+    return mask, row_counts(mask)
+
+
+def select_in_budget(
+    scores: torch.Tensor,
+    *,
+    threshold: float,
+    keep_ratio: float,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+    dense_blocks: int,
+) -> torch.Tensor:
+    """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading)."""
+    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
+    dev = scores.device
+    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
+    budget = block_budget(
+        q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
+    )
+    forced = forced_block_mask(q_blocks, kv_blocks, dense_blocks=dense_blocks, device=dev, **flags)
+    if budget.forced_only:
+        _warn_forced_only(
+            budget, (q_blocks, kv_blocks, dense_blocks, keep_ratio, *flags.values()), keep_ratio
+        )
+        return forced.expand(scores.shape).clone()
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=dev)
+    scored = cand & ~forced
+    # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
+    v = scores.masked_fill(~scored | scores.isnan(), -1.0)
+    order = v.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(kv_blocks, device=dev).expand_as(order)
+    )
+    limit = torch.tensor(budget.per_row, dtype=torch.int64, device=dev)[:, None]
+    if threshold < 1.0:
+        ranked = v.gather(-1, order).clamp(min=0.0)
+        reached = ranked.cumsum(-1) < threshold * ranked.sum(-1, keepdim=True)
+        limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
+    return (scored & (v >= 0) & (rank < limit)) | forced
 
 
 def block_scores(
@@ -209,10 +507,7 @@ def select_blocks(
     """Steps 4-6: bool ``[..., Qb, KVb]`` of kept blocks from fp32 block scores."""
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
-    if causal:
-        cand = causal_candidates(q_blocks, kv_blocks, dev)
-    else:
-        cand = torch.ones(q_blocks, kv_blocks, dtype=torch.bool, device=dev)
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=dev)
     n_cand = cand.sum(-1, keepdim=True)  # candidates are a prefix 0..n_cand-1 of each row
     col = torch.arange(kv_blocks, device=dev)[None, :]
     forced = torch.zeros_like(cand)

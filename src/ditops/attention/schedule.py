@@ -1,11 +1,13 @@
 """When and how sparse attention runs during denoising: a validated config.
 
 Early denoising steps shape the whole video, so they run dense attention
-(``skip_first_steps``); after that each attention call estimates a block mask and
-runs block-sparse attention keeping about ``1 - sparsity`` of the key blocks per
-query block (the estimator's top-k cap). ``sparsity == 0`` means dense attention at
-every step. The first video frame is kept dense in rows and columns
-(:func:`first_frame_dense_blocks`), as sglang's NPU backend does.
+(``skip_first_steps``); after that each attention call runs block-sparse attention
+over ``1 - sparsity`` of the attention's blocks, with a block mask estimated from q and
+k every ``estimate_every`` sparse steps (reused in between). ``sparsity == 0`` means
+dense attention at every step. The first video frame is kept dense in rows and columns
+(:func:`first_frame_dense_blocks`), as sglang's NPU backend does; by default those
+blocks, like the sink and recent ones, count against the budget
+(``forced_blocks="in_budget"``), so the density that runs is the one asked for.
 """
 
 from __future__ import annotations
@@ -13,6 +15,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from ditops.attention.estimate import FORCED_BLOCKS
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -40,10 +44,24 @@ class BlockSparseConfig:
     """Settings of :class:`ditops.layers.attention.BlockSparseAttention`.
 
     Attributes:
-        sparsity: share of key blocks dropped per query block, in ``[0, 1)``; the
-            estimator keeps ``int(candidates * (1 - sparsity))`` scored blocks (plus
-            sink, recent and first-frame blocks) once a row has 10 candidates.
-            0 runs dense attention.
+        sparsity: share of the attention's blocks skipped, in ``[0, 1)`` (the density
+            ``1 - sparsity`` is in ``(0, 1]``). With ``forced_blocks="in_budget"`` (the
+            default) it holds over each head's whole block map, first-frame, sink and
+            recent blocks included: the estimator's budget shrinks to pay for them, and
+            the realised density is ``1 - sparsity`` to within one block. When the
+            forced blocks alone are more than that, only they run and ditops warns once
+            with the smallest density reachable at that shape. 0 runs dense attention.
+        forced_blocks: ``"in_budget"`` (above) or ``"on_top"``: sglang's reading, for
+            comparing with its NPU results: the estimator keeps
+            ``int(candidates * (1 - sparsity))`` scored blocks per row (once a row has
+            10 candidates) and the sink, recent and first-frame blocks come on top, so
+            the density that runs is above ``1 - sparsity``.
+        estimate_every: estimate the block masks at every ``estimate_every``-th sparse
+            step and reuse them in between (>= 1; 1 estimates at every step). Masks are
+            kept per layer and guidance branch (int8, one per layer and branch); they are
+            dropped when the step index does not move forward (a new pipeline call) or
+            the shapes change. Reuse needs the step index: with none, every call
+            estimates.
         skip_first_steps: denoising steps ``0 .. skip_first_steps - 1`` run dense.
         block_size: tokens per block (rows and columns of the block mask), a multiple
             of ``stride``.
@@ -63,11 +81,21 @@ class BlockSparseConfig:
     keep_sink: bool = True
     keep_recent: bool = True
     causal: bool = False
+    forced_blocks: str = "in_budget"
+    estimate_every: int = 1
 
     def __post_init__(self) -> None:
         sparsity = _check_float("sparsity", self.sparsity)
         if not 0.0 <= sparsity < 1.0:
-            raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity}")
+            raise ValueError(
+                f"sparsity must be in [0, 1) (a density 1 - sparsity in (0, 1]), "
+                f"got {self.sparsity}"
+            )
+        if self.forced_blocks not in FORCED_BLOCKS:
+            raise ValueError(
+                f"forced_blocks must be one of {FORCED_BLOCKS}, got {self.forced_blocks!r}"
+            )
+        _check_int("estimate_every", self.estimate_every, 1)
         _check_int("skip_first_steps", self.skip_first_steps, 0)
         _check_int("stride", self.stride, 1)
         _check_int("block_size", self.block_size, 1)
@@ -83,7 +111,7 @@ class BlockSparseConfig:
 
     @property
     def keep_ratio(self) -> float:
-        """``1 - sparsity``: the estimator's cap on the share of scored blocks kept."""
+        """``1 - sparsity``: the density asked for (the estimator's ``keep_ratio``)."""
         return 1.0 - float(self.sparsity)
 
     def dense_at(self, step: int | None) -> bool:

@@ -16,6 +16,7 @@ such suites in a child process in the other state (:func:`malloc_env`).
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 import statistics
@@ -316,6 +317,44 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
     return subprocess.run(argv, env=env, stdout=subprocess.DEVNULL, check=False).returncode
 
 
+def cpu_features() -> str:
+    """What this CPU gives torch's kernels: its capability and AVX-512 / AMX, in words.
+
+    Timings move with these (field notes: dense SDPA is 5x faster with AMX; without
+    AVX-512, bf16 matmuls take a slow fallback).
+    """
+    flags: set[str] = set()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
+    except OSError:
+        pass
+    capability = torch.backends.cpu.get_cpu_capability()
+    if not flags:
+        return f"torch CPU capability {capability}"
+    avx512 = "AVX-512" + (" with bf16" if "avx512_bf16" in flags else "")
+    return (
+        f"torch CPU capability {capability}, "
+        f"{avx512 if 'avx512f' in flags else 'no AVX-512'}, "
+        f"{'AMX' if 'amx_tile' in flags else 'no AMX'}"
+    )
+
+
+def drift(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
+    """``(max abs, cosine, PSNR dB)`` of ``out`` against ``ref`` (PSNR's peak: max|ref|)."""
+    # float64: an fp32 dot product over a million elements is off by ~1e-5 by itself.
+    a, b = out.double().flatten(), ref.double().flatten()
+    max_abs = float((a - b).abs().max())
+    cosine = float(torch.nn.functional.cosine_similarity(a, b, dim=0))
+    mse = float(((a - b) ** 2).mean())
+    peak = float(b.abs().max()) or 1.0
+    psnr = math.inf if mse == 0 else 10 * math.log10(peak * peak / mse)
+    return max_abs, cosine, psnr
+
+
 def machine_info(device: torch.device) -> dict[str, Any]:
     info: dict[str, Any] = {
         "ditops": __version__,
@@ -323,6 +362,7 @@ def machine_info(device: torch.device) -> dict[str, Any]:
         "python": platform.python_version(),
         "machine": platform.machine(),
         "processor": platform.processor(),
+        "cpu_features": cpu_features(),
         "threads": torch.get_num_threads(),
         "device": str(device),
         "malloc": malloc_state() if device.type == "cpu" else None,

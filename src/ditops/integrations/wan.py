@@ -347,7 +347,9 @@ class WanSelfAttnProcessor:
         shape = self.steps.latent_shape  # the whole video: recorded before any split
         if shape is not None:
             self.sparse.set_video_shape(shape, self.steps.patch_size)
-        return self.sparse(q, k, v, layout="BSND", step=self.steps.current())
+        return self.sparse(
+            q, k, v, layout="BSND", step=self.steps.current(), branch=self.steps.branch
+        )
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Dense attention as WanAttnProcessor runs it on one device (its backend)."""

@@ -46,7 +46,9 @@ denoising steps and at sparsity 0, estimate + sparse attention after.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,9 +62,12 @@ from ditops.attention.block_mask import (
     validate_block_mask,
 )
 from ditops.attention.estimate import (
+    FORCED_BLOCKS,
+    block_budget,
     estimate_block_mask_reference,
     force_dense_blocks,
     mask_from_scores,
+    mask_without_scores,
 )
 from ditops.attention.layout import LAYOUTS, to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
@@ -193,13 +198,17 @@ class EstimateBlockMask(CustomOp):
         keep_recent: bool = True,
         causal: bool = False,
         dense_blocks: int = 0,
+        forced_blocks: str = "in_budget",
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns int8 ``mask [B, Nq, Qb, KVb]`` and int32 ``counts [B, Nq, Qb]``.
 
-        ``keep_ratio`` in ``(0, 1]`` caps the kept share of scored blocks per row (rows
-        of 10 or more candidates); ``threshold`` > 0 is the cumulative mass kept before
-        the cap (>= 1 keeps all); ``dense_blocks`` >= 0 leading block rows and columns
-        are forced on (the first video frame). See :mod:`ditops.attention.estimate`.
+        ``keep_ratio`` in ``(0, 1]`` is the share of the block map kept per head, forced
+        blocks included (``forced_blocks="in_budget"``), or sglang's reading
+        (``"on_top"``): a cap on the kept share of scored blocks per row (rows of 10 or
+        more candidates) with sink, recent and first-frame blocks on top.
+        ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
+        ``dense_blocks`` >= 0 leading block rows and columns are forced on (the first
+        video frame). See :mod:`ditops.attention.estimate`.
         """
         op = "estimate_block_mask"
         _check_tensors(op, ("q", "k"), (q, k))
@@ -233,6 +242,25 @@ class EstimateBlockMask(CustomOp):
             _check_flag(op, name, value)
         if isinstance(dense_blocks, bool) or not isinstance(dense_blocks, int) or dense_blocks < 0:
             raise ValueError(f"{op}: dense_blocks must be an int >= 0, got {dense_blocks!r}")
+        if forced_blocks not in FORCED_BLOCKS:
+            raise ValueError(
+                f"{op}: forced_blocks must be one of {FORCED_BLOCKS}, got {forced_blocks!r}"
+            )
+        selection = {
+            "threshold": float(threshold),
+            "keep_ratio": float(keep_ratio),
+            "keep_sink": keep_sink,
+            "keep_recent": keep_recent,
+            "causal": causal,
+            "dense_blocks": dense_blocks,
+            "forced_blocks": forced_blocks,
+        }
+        # Forced blocks alone fill the budget, or it is everything: no scores, on any path.
+        qb_, kb_ = to_bnsd(q, layout), to_bnsd(k, layout)
+        if qb_.shape[2] and kb_.shape[2]:
+            without = mask_without_scores(qb_, kb_, block_size=block_size, **selection)
+            if without is not None:
+                return without
         return self.dispatch(
             q,
             k,
@@ -240,12 +268,7 @@ class EstimateBlockMask(CustomOp):
             block_size=block_size,
             stride=stride,
             scale=scale,
-            threshold=float(threshold),
-            keep_ratio=float(keep_ratio),
-            keep_sink=keep_sink,
-            keep_recent=keep_recent,
-            causal=causal,
-            dense_blocks=dense_blocks,
+            **selection,
         )
 
     def forward_native(
@@ -275,6 +298,16 @@ class EstimateBlockMask(CustomOp):
             reasons.append(
                 f"the NPU sparse_block_estimate is used for self-attention only; q has {q_len} "
                 f"tokens, k {kv_len}"
+            )
+        if (
+            kwargs.get("forced_blocks", "in_budget") == "in_budget"
+            and kwargs.get("dense_blocks", 0) > 0
+            and kwargs.get("threshold", 1.0) < 1.0
+        ):
+            # The kernel's threshold would count the first frame's columns' mass.
+            reasons.append(
+                "threshold < 1 with first-frame blocks under forced_blocks='in_budget': the "
+                "NPU kernel cannot leave the first frame's columns out of the threshold"
             )
         return reasons
 
@@ -325,10 +358,29 @@ class EstimateBlockMask(CustomOp):
         keep_recent: bool,
         causal: bool,
         dense_blocks: int,
+        forced_blocks: str,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The kernel selects per row with one top-k ratio and sink/recent on top
+        (sglang's reading); ditops forces the first frame afterwards.
+
+        ``in_budget``: the kernel cannot leave the first frame's columns out of its
+        ranking, nor take a budget per row, so it is asked for the largest row budget
+        plus those columns (:func:`npu_in_budget_ratio`): its mask holds every block of
+        the meaning's (ties aside) and a few more: without ``causal``, at most
+        ``dense_blocks + 1`` per row (a density at most ``(dense_blocks + 1) / KVb``
+        above the one asked for; Wan's 21 latent frames: 0.06). Under ``causal`` more
+        (one ratio for rows of every length; rows of under 10 candidates keep all).
+        """
         qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
         heads, kv_heads, dim = int(qb.shape[1]), int(kb.shape[1]), int(qb.shape[3])
         softmax_scale = dim**-0.5 if scale is None else float(scale)
+        kv_blocks = num_blocks(int(kb.shape[2]), block_size)
+        if forced_blocks == "in_budget":
+            flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
+            q_blocks = num_blocks(int(qb.shape[2]), block_size)
+            keep_ratio = npu_in_budget_ratio(
+                q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
+            )
         mask, _counts = NPU_ESTIMATE.op()(
             q.contiguous(),
             k.contiguous(),
@@ -348,12 +400,47 @@ class EstimateBlockMask(CustomOp):
         )
         # The NPU pads the column dim to a multiple of 32; the counts must be recomputed
         # after forcing the first frame anyway.
-        kv_blocks = num_blocks(int(kb.shape[2]), block_size)
         mask = force_dense_blocks(mask[..., :kv_blocks], dense_blocks, causal=causal)
         return mask.contiguous(), row_counts(mask)
 
 
 estimate_block_mask = EstimateBlockMask()
+
+
+def npu_in_budget_ratio(
+    q_blocks: int,
+    kv_blocks: int,
+    *,
+    keep_ratio: float,
+    dense_blocks: int,
+    keep_sink: bool,
+    keep_recent: bool,
+    causal: bool,
+) -> float:
+    """The ``row_sparse`` to give the NPU estimator for the in-budget reading.
+
+    The kernel keeps ``int(candidates * row_sparse)`` scored blocks per row (sink and
+    recent excluded, first-frame columns not), in fp32. Asked for, in every row, that
+    row's in-budget share plus the first-frame columns it may spend its top-k on, it
+    keeps a superset of the in-budget selection.
+    """
+    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
+    budget = block_budget(
+        q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
+    )
+    ratio = 0.0
+    for r, share in enumerate(budget.per_row):
+        n = min(r + 1, kv_blocks) if causal else kv_blocks
+        if r < dense_blocks or n == 0:
+            continue  # forced dense afterwards
+        # First-frame columns the kernel scores (column 0 is the sink when kept).
+        frame = max(0, min(dense_blocks, n) - (1 if keep_sink else 0))
+        if keep_recent and n - 1 < dense_blocks:
+            frame -= 1
+        want = share + max(frame, 0)
+        # The midpoint, so the kernel's fp32 floor gives ``want`` exactly.
+        ratio = max(ratio, min(1.0, (want + 0.5) / n))
+    return ratio if ratio > 0 else 0.5 / max(kv_blocks, 1)
 
 
 # --- block_sparse_attention ------------------------------------------------------------
@@ -554,14 +641,39 @@ def dense_attention(
     return _from_bnsd(out, layout)
 
 
+#: Guidance branches (cache context names) whose masks a layer keeps; past this many
+#: the least recently used goes (diffusers pipelines use one to three).
+MAX_MASK_BRANCHES = 4
+
+
+@dataclass
+class _CachedMask:
+    """A layer's mask for one guidance branch, and when it was estimated."""
+
+    key: tuple[Any, ...]
+    mask: torch.Tensor
+    counts: torch.Tensor
+    estimated_at: int
+    last_step: int
+
+
 class BlockSparseAttention(nn.Module):
     """Adaptive block-sparse attention with a denoising schedule.
 
     Each call, unless the schedule says dense (sparsity 0, or a step before
-    ``skip_first_steps``), estimates a block mask from q and k
-    (:data:`estimate_block_mask`) and runs :data:`block_sparse_attention` with it;
-    dense calls run SDPA. The first video frame's blocks are kept dense once
-    :meth:`set_video_shape` (or ``dense_blocks``) says how many there are.
+    ``skip_first_steps``), runs :data:`block_sparse_attention` with a block mask from
+    :data:`estimate_block_mask`; dense calls run SDPA. The first video frame's blocks
+    are kept dense once :meth:`set_video_shape` (or ``dense_blocks``) says how many there
+    are.
+
+    **Mask reuse** (``config.estimate_every = N > 1``): the mask is estimated at a sparse
+    step ``s`` and reused for steps ``s + 1 .. s + N - 1``, separately for each guidance
+    ``branch`` (classifier-free guidance's "cond" and "uncond" calls see different
+    inputs). The layer keeps one int8 mask per branch (``B * heads * Qb * KVb`` bytes,
+    at most :data:`MAX_MASK_BRANCHES` branches). A call whose step is not after the last
+    one of its branch starts afresh (a new pipeline call: within one, a branch sees each
+    step once), as does a change of shapes, layout, scale, device or first-frame blocks.
+    Without a step (``None``), every call estimates. :meth:`clear_masks` drops them.
 
     Args:
         config: a :class:`BlockSparseConfig`; or give its fields as keyword arguments.
@@ -582,6 +694,7 @@ class BlockSparseAttention(nn.Module):
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
         self.dense_blocks = dense_blocks
         self.step: int | None = None
+        self._masks: OrderedDict[str | None, _CachedMask] = OrderedDict()
 
     def set_step(self, step: int | None) -> None:
         """The denoising step index of the next calls (``None``: unknown)."""
@@ -592,6 +705,10 @@ class BlockSparseAttention(nn.Module):
         self.dense_blocks = first_frame_dense_blocks(
             latent_shape, patch_size, self.config.block_size
         )
+
+    def clear_masks(self) -> None:
+        """Forget the masks kept for reuse (the next sparse call of each branch estimates)."""
+        self._masks.clear()
 
     def extra_repr(self) -> str:
         return f"{self.config}, dense_blocks={self.dense_blocks}"
@@ -605,25 +722,16 @@ class BlockSparseAttention(nn.Module):
         layout: str = "BNSD",
         scale: float | None = None,
         step: int | None = None,
+        branch: str | None = None,
     ) -> torch.Tensor:
-        """Attention of q over k/v in ``layout``; ``step`` overrides :meth:`set_step`."""
+        """Attention of q over k/v in ``layout``; ``step`` overrides :meth:`set_step`;
+        ``branch`` names the guidance branch (the pipeline's cache context name) whose
+        mask is reused."""
         cfg = self.config
-        if cfg.dense_at(self.step if step is None else step):
+        step = self.step if step is None else step
+        if cfg.dense_at(step):
             return dense_attention(q, k, v, layout=layout, scale=scale, causal=cfg.causal)
-        mask, counts = estimate_block_mask(
-            q,
-            k,
-            layout=layout,
-            block_size=cfg.block_size,
-            stride=cfg.stride,
-            scale=scale,
-            threshold=cfg.threshold,
-            keep_ratio=cfg.keep_ratio,
-            keep_sink=cfg.keep_sink,
-            keep_recent=cfg.keep_recent,
-            causal=cfg.causal,
-            dense_blocks=self.dense_blocks,
-        )
+        mask, counts = self._block_mask(q, k, layout=layout, scale=scale, step=step, branch=branch)
         return block_sparse_attention(
             q,
             k,
@@ -636,9 +744,85 @@ class BlockSparseAttention(nn.Module):
             block_size=cfg.block_size,
         )
 
+    def _estimate(
+        self, q: torch.Tensor, k: torch.Tensor, *, layout: str, scale: float | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        cfg = self.config
+        return estimate_block_mask(
+            q,
+            k,
+            layout=layout,
+            block_size=cfg.block_size,
+            stride=cfg.stride,
+            scale=scale,
+            threshold=cfg.threshold,
+            keep_ratio=cfg.keep_ratio,
+            keep_sink=cfg.keep_sink,
+            keep_recent=cfg.keep_recent,
+            causal=cfg.causal,
+            dense_blocks=self.dense_blocks,
+            forced_blocks=cfg.forced_blocks,
+        )
+
+    def _block_mask(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        scale: float | None,
+        step: int | None,
+        branch: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This call's mask: estimated, or reused (see the class docstring)."""
+        if self.config.estimate_every == 1 or step is None:
+            return self._estimate(q, k, layout=layout, scale=scale)
+        return self._kept_or_new_mask(q, k, layout=layout, scale=scale, step=step, branch=branch)
+
+    # torch.compile: the bookkeeping reads and writes Python ints (steps) that dynamo would
+    # specialise on, one graph per step until its recompile limit; run it eager instead
+    # (a graph break around the estimate, one graph for the rest).
+    @torch.compiler.disable
+    def _kept_or_new_mask(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        scale: float | None,
+        step: int,
+        branch: str | None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        every = self.config.estimate_every
+        key = (
+            tuple(q.shape),
+            tuple(k.shape),
+            layout,
+            scale,
+            q.device,
+            self.dense_blocks,
+            self.config,
+        )
+        entry = self._masks.get(branch)
+        if (
+            entry is not None
+            and entry.key == key
+            and entry.last_step < step < entry.estimated_at + every
+        ):
+            entry.last_step = step
+            self._masks.move_to_end(branch)
+            return entry.mask, entry.counts
+        self._masks.pop(branch, None)  # the old mask goes before the new one is made
+        mask, counts = self._estimate(q, k, layout=layout, scale=scale)
+        self._masks[branch] = _CachedMask(key, mask, counts, step, step)
+        while len(self._masks) > MAX_MASK_BRANCHES:
+            self._masks.popitem(last=False)
+        return mask, counts
+
 
 __all__ = [
     "ATTENTION_TOLERANCE",
+    "MAX_MASK_BRANCHES",
     "NPU_FP16_LOGIT_ATOL",
     "BlockSparseAttention",
     "BlockSparseAttentionOp",
