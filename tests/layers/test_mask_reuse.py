@@ -154,3 +154,34 @@ def test_config_validates_the_interval() -> None:
     with pytest.raises(ValueError, match="estimate_every must be >= 1, got 0"):
         BlockSparseAttention(sparsity=0.5, estimate_every=0)
     assert BlockSparseConfig(sparsity=0.5, estimate_every=5).estimate_every == 5
+
+
+def test_reuse_under_torch_compile_matches_eager_without_a_graph_per_step() -> None:
+    """Compiled first (no eager call before): the bookkeeping runs eagerly, so each call
+    gets eager's mask (the same outputs, bit for bit) and the step index does not make a
+    graph per step. (No hooks here: dynamo would guard on the lists they fill.)"""
+    import torch._dynamo
+
+    calls = [(s, b, 10 * s + (b == "uncond")) for s in range(1, 7) for b in ("cond", "uncond")]
+    with torch.inference_mode():
+        layer = BlockSparseAttention(sparsity=0.5, estimate_every=3, **SMALL)
+        eager = [layer(*qkv(seed), step=step, branch=b) for step, b, seed in calls]
+        torch._dynamo.reset()
+        layer = BlockSparseAttention(sparsity=0.5, estimate_every=3, **SMALL)
+        frames: list[int] = []
+
+        def backend(gm: torch.fx.GraphModule, _inputs: list) -> object:
+            frames.append(1)
+            return gm.forward
+
+        compiled = torch.compile(layer, backend=backend)
+        graphs_by_step = []
+        for (step, branch, seed), want in zip(calls, eager):
+            assert torch.equal(compiled(*qkv(seed), step=step, branch=branch), want), step
+            graphs_by_step.append(len(frames))
+    # reuse at steps 2-3 and 5-6 used the kept masks: a fresh estimate would differ
+    fresh = BlockSparseAttention(sparsity=0.5, **SMALL)
+    with torch.inference_mode():
+        assert not torch.equal(fresh(*qkv(20), step=2), eager[2])
+    # every graph is made in the first steps (an estimate, a reuse): later steps add none
+    assert graphs_by_step[5] == graphs_by_step[-1] > 0, graphs_by_step

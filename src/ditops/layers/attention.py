@@ -695,6 +695,8 @@ class BlockSparseAttention(nn.Module):
         self.dense_blocks = dense_blocks
         self.step: int | None = None
         self._masks: OrderedDict[str | None, _CachedMask] = OrderedDict()
+        if self.config.estimate_every > 1:
+            _eager_kept_or_new_mask()  # made now, before any torch.compile trace
 
     def set_step(self, step: int | None) -> None:
         """The denoising step index of the next calls (``None``: unknown)."""
@@ -777,12 +779,9 @@ class BlockSparseAttention(nn.Module):
         """This call's mask: estimated, or reused (see the class docstring)."""
         if self.config.estimate_every == 1 or step is None:
             return self._estimate(q, k, layout=layout, scale=scale)
-        return self._kept_or_new_mask(q, k, layout=layout, scale=scale, step=step, branch=branch)
+        kept_or_new = _eager_kept_or_new_mask()
+        return kept_or_new(self, q, k, layout=layout, scale=scale, step=step, branch=branch)
 
-    # torch.compile: the bookkeeping reads and writes Python ints (steps) that dynamo would
-    # specialise on, one graph per step until its recompile limit; run it eager instead
-    # (a graph break around the estimate, one graph for the rest).
-    @torch.compiler.disable
     def _kept_or_new_mask(
         self,
         q: torch.Tensor,
@@ -818,6 +817,25 @@ class BlockSparseAttention(nn.Module):
         while len(self._masks) > MAX_MASK_BRANCHES:
             self._masks.popitem(last=False)
         return mask, counts
+
+
+_EAGER_KEPT_OR_NEW: Any = None
+
+
+def _eager_kept_or_new_mask() -> Any:
+    """``BlockSparseAttention._kept_or_new_mask`` under ``torch.compiler.disable``.
+
+    torch.compile: the reuse bookkeeping reads and writes Python ints (steps) that dynamo
+    would specialise on, one graph per step until its recompile limit; it runs eagerly
+    instead (a graph break around the estimate, one graph for the rest). Made on first
+    need, not at import: ``torch.compiler.disable`` imports ``torch._dynamo`` (and with it
+    Triton), which ``import ditops`` must not. A module asking for reuse makes it when
+    built, so it exists before any trace reads it.
+    """
+    global _EAGER_KEPT_OR_NEW
+    if _EAGER_KEPT_OR_NEW is None:
+        _EAGER_KEPT_OR_NEW = torch.compiler.disable(BlockSparseAttention._kept_or_new_mask)
+    return _EAGER_KEPT_OR_NEW
 
 
 __all__ = [
