@@ -1,7 +1,7 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
 ditops info [--json] [--precision fast|exact]
-ditops bench [SUITE ...] [--size small|full] [--dtype bfloat16|float32] [--device DEV]
+ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
              [--json PATH] [--no-progress] [--malloc both|current]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
@@ -217,10 +217,21 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
 
     where = f"--model {args.model}" if args.model else "the built-in small Wan config"
     print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
-    dtype = getattr(torch, args.dtype)
-    warning = wan.cpu_warning(device, dtype)
-    if warning:
-        print(f"ditops bench: {warning}", file=sys.stderr)
+    if args.dtype == "auto":
+        dtype = wan.default_dtype(device)
+        if dtype != torch.bfloat16:
+            capability = torch.backends.cpu.get_cpu_capability()
+            print(
+                f"ditops bench: --dtype auto chose float32: this CPU (torch capability "
+                f"{capability}, no AVX-512) runs bf16 matmuls on a slow fallback; "
+                "--dtype bfloat16 measures bf16 anyway (hours)",
+                file=sys.stderr,
+            )
+    else:
+        dtype = getattr(torch, args.dtype)
+        warning = wan.cpu_warning(device, dtype)
+        if warning:
+            print(f"ditops bench: {warning}", file=sys.stderr)
     result = wan.run(
         device,
         args.size,
@@ -271,10 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument(
         "--dtype",
-        choices=("bfloat16", "float32"),
-        default="bfloat16",
-        help="wan suite: the model's dtype (float32 on CPUs without AVX-512, where bf16 "
-        "matmuls are slow)",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
+        help="wan suite: the model's dtype (auto: bfloat16, or float32 on CPUs without "
+        "AVX-512, where bf16 matmuls are a slow fallback)",
     )
     bench.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
