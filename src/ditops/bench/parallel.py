@@ -174,6 +174,7 @@ def run(
     *,
     model_path: str | None = None,
     progress: bool = True,
+    dtype: torch.dtype = torch.bfloat16,
 ) -> dict[str, Any]:
     """Every variant at every step, one process against ``P`` ranks (module docstring)."""
     import torch.distributed as dist
@@ -184,7 +185,6 @@ def run(
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cp_config = context_parallel_config(mode, world)
-    dtype = torch.bfloat16
     single = wan.build_model(model_path, device, dtype)
     parallel = wan.build_model(model_path, device, dtype)
     parallel.enable_parallelism(config=cp_config)
@@ -247,6 +247,7 @@ def run(
         "world_size": world,
         "backend": str(dist.get_backend()),
         "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
         "degrees": {"ring": cp_config.ring_degree, "ulysses": cp_config.ulysses_degree},
         "threads_per_rank": torch.get_num_threads(),
         "latent_shape": latent,
@@ -303,7 +304,8 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
     print(
         f"\n== wan --parallel {result['mode']}: {p} ranks (ring {deg['ring']} x ulysses "
         f"{deg['ulysses']}, {result['backend']} on {result['device']}, "
-        f"{result['threads_per_rank']} thread(s) per rank), {result['video_tokens']} video "
+        f"{result['threads_per_rank']} thread(s) per rank), {result.get('dtype', 'bfloat16')}, "
+        f"{result['video_tokens']} video "
         f"tokens, latent {result['latent_shape']}, {result['layers']} layers, "
         f"{result['steps']} steps ({result['skip_first_steps']} dense first)",
         file=out,
@@ -367,6 +369,10 @@ def main(args: Any) -> int:
                 f"({device.type}), size {args.size}",
                 file=sys.stderr,
             )
+        from ditops.bench import wan
+
+        dtype = getattr(args, "dtype", "auto")
+        dtype = wan.default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
         with cpu_shims():
             result = run(
                 args.parallel,
@@ -374,6 +380,7 @@ def main(args: Any) -> int:
                 args.size,
                 model_path=args.model,
                 progress=not args.no_progress,
+                dtype=dtype,
             )
         if rank == 0:
             print_report(result)
