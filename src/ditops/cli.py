@@ -277,7 +277,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--size",
         choices=("small", "full"),
         default="small",
-        help="small: a few minutes on 2 CPU cores; full: every shape (wan: Wan 480p, "
+        help="small: minutes on 2 CPU cores; full: every shape (wan: Wan 480p, "
         "21 latent frames of 30x52 tokens, for GPUs and patient CPU users)",
     )
     bench.add_argument(
