@@ -18,7 +18,13 @@ from ditops.backends import npu
 from ditops.cli import main
 from ditops.layers.attention import NPU_ATTENTION, NPU_ESTIMATE
 from tests.doubles.npu_attentions import fake_attentions
-from tests.doubles.npu_modules import fake_torch_npu
+from tests.doubles.npu_modules import (
+    DocumentedContractError,
+    fake_torch_npu,
+    fake_torch_npu_prologue,
+    npu_rms_norm,
+    npu_rotary_mul,
+)
 from tests.doubles.npu_sgl_kernel import (
     ContractError,
     fake_sgl_kernel_npu,
@@ -192,6 +198,23 @@ def test_doubles_tear_down(on_npu: None) -> None:
         assert sys.modules[name] is None  # on_npu's "not installed", restored
 
 
+def test_torch_npu_prologue_doubles_refuse_what_is_not_documented() -> None:
+    x = torch.randn(2, 3, 4, 8).bfloat16()
+    table = torch.rand(1, 3, 1, 8)
+    with pytest.raises(DocumentedContractError, match="gamma in self's dtype"):
+        npu_rms_norm(x.flatten(0, 2), torch.ones(8))  # fp32 gamma with bf16 self
+    with pytest.raises(DocumentedContractError, match="one dtype"):
+        npu_rotary_mul(x, table, table)  # fp32 tables with bf16 input
+    x32 = x.float()
+    with pytest.raises(DocumentedContractError, match="outside the documented layouts"):
+        npu_rotary_mul(x32, table.expand(2, 3, 1, 8), table.expand(2, 3, 1, 8), "interleave")
+    with pytest.raises(DocumentedContractError, match=r"\[-1, 1\]"):
+        npu_rotary_mul(x32, table * 3, table)
+    y, rstd = npu_rms_norm(x.flatten(0, 2), torch.ones(8).bfloat16(), 1e-6)
+    assert y.dtype == torch.bfloat16 and rstd.dtype == torch.float32 and rstd.shape == (24, 1)
+    assert npu_rotary_mul(x32, table, table, "interleave").shape == x.shape
+
+
 # --- ditops info ----------------------------------------------------------------------------
 
 
@@ -256,3 +279,23 @@ def test_info_with_neither(on_npu: None, capsys: pytest.CaptureFixture[str]) -> 
     norm = ops[("fp32_layer_norm", "npu")]
     assert norm["chosen"] == "forward_native"
     assert any(r.startswith("torch_npu is not installed") for r in norm["reasons"])
+
+
+def test_info_names_the_torch_npu_functions(
+    on_npu: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with fake_torch_npu_prologue():
+        ops = info(capsys)
+    for op, needs in (
+        ("rms_norm", "needs torch_npu (npu_rms_norm)"),
+        ("rotary_embedding", "needs torch_npu (npu_rotary_mul)"),
+        ("qk_norm_rope", "needs torch_npu (npu_rms_norm, npu_rotary_mul)"),
+    ):
+        assert ops[(op, "npu")]["chosen"] == "forward_npu"
+        assert needs in ops[(op, "npu")]["accepts"]
+    with fake_torch_npu({"npu_rms_norm": npu_rms_norm}):
+        ops = info(capsys)
+    assert ops[("rms_norm", "npu")]["chosen"] == "forward_npu"
+    rotary = ops[("rotary_embedding", "npu")]
+    assert rotary["chosen"] == "forward_native"
+    assert "has no torch_npu.npu_rotary_mul" in rotary["reasons"][0]

@@ -11,6 +11,11 @@ afresh.
 imports, and (for :func:`ditops.backends.npu.torch_npu_op`) that it has named functions.
 On CPU tensors dispatched as NPU tensors, ``F.layer_norm`` runs ATen's CPU kernel, with
 the semantics torch_npu documents for its own (the mixed-dtype contract of aclnnLayerNorm).
+
+:func:`fake_torch_npu_prologue` adds ``npu_rms_norm`` and ``npu_rotary_mul``, written from
+their documented contracts (the sources are cited in :mod:`ditops.kernels.npu.qk_norm_rope`):
+they refuse what the documentation leaves out (:class:`DocumentedContractError`) and
+compute as CANN's kernel and golden reference do (fp32 inside, one rounding of the output).
 """
 
 from __future__ import annotations
@@ -23,6 +28,8 @@ import sys
 import types
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
+
+import torch
 
 import ditops.custom_op
 
@@ -113,3 +120,110 @@ def failing_import(name: str, error: Exception) -> Iterator[None]:
         if saved is not _ABSENT:
             sys.modules[name] = saved  # type: ignore[assignment]
         ditops.custom_op.reset_state()
+
+
+# --- torch_npu's attention-prologue kernels ---------------------------------------------------
+
+_NPU_FLOATS = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class DocumentedContractError(RuntimeError):
+    """What a double raises for arguments outside the real function's documented contract."""
+
+
+def npu_rms_norm(
+    self: torch.Tensor, gamma: torch.Tensor, epsilon: float = 1e-6
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``torch_npu.npu_rms_norm``: ``(x / sqrt(mean(x^2) + eps) * gamma, rstd)``.
+
+    Contract (torch_npu API reference): ``self`` fp16/bf16/fp32 with 2-8 dims, ``gamma``
+    in ``self``'s dtype and of its trailing shape, not empty. Computed as CANN's kernel
+    does: fp32 inside, the sum of squares in its own order times ``1/n``, ``1 / sqrt``, the
+    weight applied in fp32, one rounding to ``self``'s dtype; ``rstd`` fp32.
+    """
+    if self.dtype not in _NPU_FLOATS or gamma.dtype != self.dtype:
+        raise DocumentedContractError(
+            f"npu_rms_norm: self {self.dtype} and gamma {gamma.dtype}; documented: "
+            "fp16/bf16/fp32, gamma in self's dtype"
+        )
+    if not 2 <= self.dim() <= 8 or gamma.numel() == 0:
+        raise DocumentedContractError(f"npu_rms_norm: self of {self.dim()} dims, gamma empty?")
+    dims = tuple(range(self.dim() - gamma.dim(), self.dim()))
+    if tuple(gamma.shape) != tuple(self.shape[self.dim() - gamma.dim() :]):
+        raise DocumentedContractError("npu_rms_norm: gamma must have self's trailing shape")
+    x32 = self.float()
+    # another summation order than torch's mean (the kernel reduces in halves)
+    squares = x32.flip(dims) * x32.flip(dims)
+    rstd = 1 / torch.sqrt(squares.sum(dims, keepdim=True) * (1.0 / gamma.numel()) + epsilon)
+    return (x32 * rstd * gamma.float()).to(self.dtype), rstd
+
+
+def npu_rotary_mul(
+    input: torch.Tensor, r1: torch.Tensor, r2: torch.Tensor, rotary_mode: str = "half"
+) -> torch.Tensor:
+    """``torch_npu.npu_rotary_mul``: ``r1 * input + r2 * rotate(input)``.
+
+    Contract (torch_npu API reference, A2/A3, for a BSND ``input``): 4-D tensors of
+    fp16/bf16/fp32 (r1/r2 in input's dtype, as aclnnRotaryPositionEmbedding asks);
+    ``D < 896`` and even; ``'half'``: ``B, N < 1000``, r1/r2 ``[1 or B, S, 1, D]``;
+    ``'interleave'``: ``B * N < 1000``, r1/r2 ``[1, S, 1, D]``; r1/r2 within ``[-1, 1]``.
+    Computed in fp32, the output rounded once to input's dtype.
+    """
+    if input.dim() != 4 or r1.dim() != 4 or r2.shape != r1.shape:
+        raise DocumentedContractError("npu_rotary_mul: input, r1, r2 must be 4-D, r1/r2 alike")
+    if input.dtype not in _NPU_FLOATS or r1.dtype != input.dtype or r2.dtype != input.dtype:
+        raise DocumentedContractError(
+            f"npu_rotary_mul: input {input.dtype}, r1 {r1.dtype}, r2 {r2.dtype}; documented: "
+            "fp16/bf16/fp32 in one dtype"
+        )
+    B, S, N, D = input.shape
+    if D >= 896 or D % 2:
+        raise DocumentedContractError(f"npu_rotary_mul: D = {D}; documented: D < 896, even")
+    if rotary_mode == "half":
+        ok = B < 1000 and N < 1000 and list(r1.shape) in ([1, S, 1, D], [B, S, 1, D])
+    elif rotary_mode == "interleave":
+        ok = B * N < 1000 and list(r1.shape) == [1, S, 1, D]
+    else:
+        raise DocumentedContractError(f"npu_rotary_mul: rotary_mode {rotary_mode!r}")
+    if not ok:
+        raise DocumentedContractError(
+            f"npu_rotary_mul ({rotary_mode}): input {list(input.shape)} with tables "
+            f"{list(r1.shape)} is outside the documented layouts"
+        )
+    if not bool((r1.abs() <= 1).all() and (r2.abs() <= 1).all()):
+        raise DocumentedContractError("npu_rotary_mul: r1/r2 outside the documented [-1, 1]")
+    x = input.float()
+    if rotary_mode == "half":
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+    else:
+        rotated = torch.stack([-x[..., 1::2], x[..., 0::2]], dim=-1).flatten(-2)
+    return (r1.float() * x + r2.float() * rotated).to(input.dtype)
+
+
+#: The prologue functions, by name.
+PROLOGUE_FUNCTIONS: dict[str, Callable[..., Any]] = {
+    "npu_rms_norm": npu_rms_norm,
+    "npu_rotary_mul": npu_rotary_mul,
+}
+
+
+@contextlib.contextmanager
+def fake_torch_npu_prologue(
+    replace: Mapping[str, Callable[..., Any] | None] | None = None,
+) -> Iterator[list[str]]:
+    """torch_npu with :data:`PROLOGUE_FUNCTIONS` for the block; ``replace`` swaps one
+    (None: the release lacks it). Yields the names of the functions called, in order."""
+    calls: list[str] = []
+    functions = {**PROLOGUE_FUNCTIONS, **(replace or {})}
+
+    def recorded(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            calls.append(name)
+            return fn(*args, **kwargs)
+
+        return call
+
+    present = {name: recorded(name, fn) for name, fn in functions.items() if fn is not None}
+    with fake_torch_npu(present):
+        yield calls

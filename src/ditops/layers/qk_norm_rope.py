@@ -76,12 +76,18 @@ NaN to both members of its pair.
 
 Paths: ``cpu`` (exact and fast, :mod:`ditops.kernels.cpu.qk_norm_rope`),
 ``cuda``/``hip``/``xpu`` through Triton (:mod:`ditops.kernels.triton.qk_norm_rope`, fast),
-otherwise native. No NPU path yet (the NPU backend is being rewritten); the arguments
-are the ones the Ascend ops take: ``torch_npu.npu_rms_norm(x, weight, epsilon)`` (a fast
-candidate for the ``torch`` convention, the weight in the activations' dtype) and
-``torch_npu.npu_rotary_mul(x, cos, sin, rotary_mode="interleave"|"half")`` on
-``[B, L, H, D]`` with full-width ``[1, L, 1, D]`` tables (per-pair tables widened by
-``repeat_interleave`` / ``cat``, as ``forward_native`` does).
+``npu`` through torch_npu's own kernels (fast; :mod:`ditops.kernels.npu.qk_norm_rope`
+says what they are documented to do and cites the sources): ``rms_norm`` calls
+``torch_npu.npu_rms_norm`` (computes in fp32, rounds once: the fast contract above),
+``rotary_embedding`` ``torch_npu.npu_rotary_mul`` (``'half'`` or ``'interleave'``), called
+in fp32 only: bf16/fp16 activations with fp32 tables are widened and the result rounded
+once, as the meaning does (bf16/fp16 outputs within 1 ulp of the pair's magnitude, at
+most 1e-3 of them off; fp32 within 1e-5 of it), and ``qk_norm_rope`` the two composed,
+rounding the normalised value where eager does (within the fused op's fast contract).
+Calls outside what torch_npu documents run the meaning with the reason in
+``explain_call``: a rotation the meaning computes in bf16/fp16 (bf16/fp16 tables), head
+dims of 896 or more, 1000 or more batches or heads, per-batch tables in interleaved
+layout, tables outside ``[-1, 1]``, empty inputs. Otherwise native.
 """
 
 from __future__ import annotations
@@ -93,13 +99,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditops.backends.npu import torch_npu_op
 from ditops.backends.triton import TRITON
 from ditops.custom_op import CustomOp, fast_path, register_op
 from ditops.kernels import qk_norm_rope_shapes as shapes
+from ditops.kernels.npu import qk_norm_rope as npu_kernels
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 #: Widest norm row (elements) the Triton kernels hold in registers.
 TRITON_MAX_ROW = 16384
+#: torch_npu with the functions each NPU path calls (probed on first use).
+NPU_RMS_NORM = torch_npu_op("npu_rms_norm")
+NPU_ROTARY_MUL = torch_npu_op("npu_rotary_mul")
+NPU_PROLOGUE = torch_npu_op("npu_rms_norm", "npu_rotary_mul")
 
 
 def torch_rms_norm_is_known() -> bool:
@@ -326,6 +338,11 @@ def _triton_reasons(
     return reasons
 
 
+def _npu_norm_reasons(convention: str, x: torch.Tensor) -> list[str]:
+    unknown = convention == "torch" and not torch_rms_norm_is_known()
+    return [*([_UNKNOWN_TORCH] if unknown else []), *npu_kernels.norm_reasons(x)]
+
+
 @register_op("rms_norm")
 class RMSNormOp(_PrologueOp):
     """RMSNorm over the last dim in torch's or diffusers' arithmetic; see the module docstring."""
@@ -350,6 +367,8 @@ class RMSNormOp(_PrologueOp):
             return [_UNKNOWN_TORCH] if unknown else []
         if kind in ("cuda", "hip", "xpu"):
             return _triton_reasons(c.convention, c.x.shape[-1])
+        if kind == "npu":
+            return _npu_norm_reasons(c.convention, c.x)
         return []
 
     def forward_native(self, *args: Any, call: _NormCall | None = None) -> torch.Tensor:
@@ -373,6 +392,12 @@ class RMSNormOp(_PrologueOp):
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
 
+    @fast_path(backend=NPU_RMS_NORM, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_npu(self, *args: Any, call: _NormCall | None = None) -> torch.Tensor:
+        c = self._call(*args, call=call)
+        fn = NPU_RMS_NORM.function("npu_rms_norm")
+        return npu_kernels.rms_norm(fn, c.x, c.weight, c.eps, c.convention)
+
 
 @register_op("rotary_embedding")
 class RotaryEmbeddingOp(_PrologueOp):
@@ -393,9 +418,11 @@ class RotaryEmbeddingOp(_PrologueOp):
 
     def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
         c: _RopeCall = self._call(*args, **kwargs)
+        compute = torch.promote_types(c.x.dtype, c.cos3.dtype)
         if kind in ("cuda", "hip", "xpu"):
-            compute = torch.promote_types(c.x.dtype, c.cos3.dtype)
             return _triton_reasons(None, 0, compute)
+        if kind == "npu":
+            return npu_kernels.rotary_reasons(c.x, c.cos3, c.sin3, c.layout, compute)
         return []
 
     def forward_native(self, *args: Any, call: _RopeCall | None = None) -> torch.Tensor:
@@ -418,6 +445,15 @@ class RotaryEmbeddingOp(_PrologueOp):
 
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
+
+    @fast_path(backend=NPU_ROTARY_MUL, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_npu(self, *args: Any, call: _RopeCall | None = None) -> torch.Tensor:
+        c = self._call(*args, call=call)
+        D = c.x.shape[-1]
+        cos = npu_kernels.full_tables(c.cos3, D, c.layout)
+        sin = npu_kernels.full_tables(c.sin3, D, c.layout)
+        fn = NPU_ROTARY_MUL.function("npu_rotary_mul")
+        return npu_kernels.rotary(fn, c.x, cos, sin, c.layout)
 
 
 @register_op("qk_norm_rope")
@@ -450,12 +486,17 @@ class QKNormRopeOp(_PrologueOp):
         unknown = c.convention == "torch" and not torch_rms_norm_is_known()
         if kind == "cpu":
             return [_UNKNOWN_TORCH] if unknown else []
+        H, D = c.q.shape[2], c.q.shape[3]
+        wd = None if c.q_weight is None else c.q_weight.dtype
+        normed = shapes.normed_dtype(c.q.dtype, wd, c.convention)
+        compute = torch.promote_types(normed, c.cos3.dtype)
         if kind in ("cuda", "hip", "xpu"):
-            H, D = c.q.shape[2], c.q.shape[3]
-            wd = None if c.q_weight is None else c.q_weight.dtype
-            normed = shapes.normed_dtype(c.q.dtype, wd, c.convention)
-            compute = torch.promote_types(normed, c.cos3.dtype)
             return _triton_reasons(c.convention, H * D if c.across_heads else D, compute)
+        if kind == "npu":
+            return [
+                *_npu_norm_reasons(c.convention, c.q),
+                *npu_kernels.rotary_reasons(c.q, c.cos3, c.sin3, c.layout, compute),
+            ]
         return []
 
     def forward_native(
@@ -489,6 +530,18 @@ class QKNormRopeOp(_PrologueOp):
 
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
+
+    @fast_path(backend=NPU_PROLOGUE, precisions=("fast",), dtypes=_FLOATS, inference_only=True)
+    def forward_npu(
+        self, *args: Any, call: _QKCall | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        c = self._call(*args, call=call)
+        norm = NPU_PROLOGUE.function("npu_rms_norm")
+        rope = NPU_PROLOGUE.function("npu_rotary_mul")
+        return npu_kernels.qk_norm_rope(
+            norm, rope, c.q, c.k, c.q_weight, c.k_weight, c.cos3, c.sin3, c.eps,
+            c.across_heads, c.layout, c.convention,
+        )  # fmt: skip
 
 
 #: ``rms_norm(x, weight=None, eps=None, convention="torch")``
