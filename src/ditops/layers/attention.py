@@ -180,6 +180,20 @@ def _from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
 # --- estimate_block_mask ---------------------------------------------------------------
 
 
+def _score_args(
+    qb: torch.Tensor, block_size: int, stride: int, scale: float | None, causal: bool
+) -> dict[str, Any]:
+    """The block-score functions' keyword arguments for BNSD ``qb``: scores use
+    ``scale / stride`` (``scale`` defaults to ``D ** -0.5``)."""
+    softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
+    return {
+        "block_size": block_size,
+        "stride": stride,
+        "score_scale": softmax_scale / stride,
+        "causal": causal,
+    }
+
+
 @register_op("estimate_block_mask")
 class EstimateBlockMask(CustomOp):
     """Estimate a block mask from q and k. Call as ``estimate_block_mask(q, k, ...)``."""
@@ -337,15 +351,7 @@ class EstimateBlockMask(CustomOp):
         from ditops.kernels.triton.estimate import block_scores
 
         qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
-        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
-        scores = block_scores(
-            qb,
-            kb,
-            block_size=block_size,
-            stride=stride,
-            score_scale=softmax_scale / stride,
-            causal=causal,
-        )
+        scores = block_scores(qb, kb, **_score_args(qb, block_size, stride, scale, causal))
         return mask_from_scores(scores, causal=causal, **selection)
 
     forward_hip = forward_cuda
@@ -372,15 +378,7 @@ class EstimateBlockMask(CustomOp):
         probabilities to q's dtype): masks agree except at near-ties, as the Triton
         estimate's do."""
         qb, kb = to_bnsd(q, layout).float(), to_bnsd(k, layout).float()
-        softmax_scale = int(qb.shape[3]) ** -0.5 if scale is None else float(scale)
-        scores = native_block_scores(
-            qb,
-            kb,
-            block_size=block_size,
-            stride=stride,
-            score_scale=softmax_scale / stride,
-            causal=causal,
-        )
+        scores = native_block_scores(qb, kb, **_score_args(qb, block_size, stride, scale, causal))
         return mask_from_scores(scores, causal=causal, **selection)
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
