@@ -242,6 +242,37 @@ def fingerprint(fn: Any) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
+class WrappingProcessor:
+    """Base of the attention processors ditops installs over diffusers' own (``original``).
+
+    diffusers writes the attention backend (``set_attention_backend``) and the
+    context-parallel config (``enable_parallelism`` writes ``_parallel_config`` into every
+    processor that has the attribute) on processors. Here both live on the original, read
+    and written through, so they reach the code that runs the attention before and after
+    the patch and survive ``unpatch``. A processor keeping its own would, under context
+    parallelism, attend within each rank's shard: silently wrong.
+    """
+
+    def __init__(self, original: Any) -> None:
+        self.original = original
+
+    @property
+    def _parallel_config(self) -> Any:
+        return getattr(self.original, "_parallel_config", None)
+
+    @_parallel_config.setter
+    def _parallel_config(self, value: Any) -> None:
+        self.original._parallel_config = value
+
+    @property
+    def _attention_backend(self) -> Any:
+        return getattr(self.original, "_attention_backend", None)
+
+    @_attention_backend.setter
+    def _attention_backend(self, value: Any) -> None:
+        self.original._attention_backend = value
+
+
 class ModelFamily(Protocol):
     """One kind of model ditops knows how to patch (one module per family)."""
 

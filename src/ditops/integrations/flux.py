@@ -55,6 +55,7 @@ from ditops.integrations.base import (
     PatchError,
     PatchOptions,
     PatchRecord,
+    WrappingProcessor,
     fingerprint,
     forward_wrapper_problem,
     refuse,
@@ -214,7 +215,7 @@ def norm_out_forward(
     return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)
 
 
-class FusedFluxAttnProcessor:
+class FusedFluxAttnProcessor(WrappingProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
     ``qk_norm_rope`` (see the module docstring); everything else is FLUX's code path.
 
@@ -226,24 +227,8 @@ class FusedFluxAttnProcessor:
     """
 
     def __init__(self, original: Any, ops: _FluxOps) -> None:
-        self.original = original
+        super().__init__(original)
         self.ops = ops
-
-    @property
-    def _attention_backend(self) -> Any:
-        return self.original._attention_backend
-
-    @_attention_backend.setter
-    def _attention_backend(self, value: Any) -> None:
-        self.original._attention_backend = value
-
-    @property
-    def _parallel_config(self) -> Any:
-        return self.original._parallel_config
-
-    @_parallel_config.setter
-    def _parallel_config(self, value: Any) -> None:
-        self.original._parallel_config = value
 
     def __call__(
         self,

@@ -42,6 +42,7 @@ from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
+    WrappingProcessor,
     fingerprint,
     forward_wrapper_problem,
     refuse,
@@ -201,7 +202,7 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.type_as(x)
 
 
-class WanSelfAttnProcessor:
+class WanSelfAttnProcessor(WrappingProcessor):
     """Wan self-attention (``attn1``) with ditops' prologue and optional block sparsity.
 
     ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
@@ -232,28 +233,10 @@ class WanSelfAttnProcessor:
     ) -> None:
         if sparse is not None and steps is None:
             raise ValueError("WanSelfAttnProcessor: sparse attention needs the step state")
-        self.original = original
+        super().__init__(original)
         self.steps = steps
         self.sparse = sparse
         self.prologue = prologue
-
-    # diffusers' enable_parallelism writes _parallel_config into processors that have the
-    # attribute, and checks (set_attention_backend writes) _attention_backend.
-    @property
-    def _parallel_config(self) -> Any:
-        return getattr(self.original, "_parallel_config", None)
-
-    @_parallel_config.setter
-    def _parallel_config(self, value: Any) -> None:
-        self.original._parallel_config = value
-
-    @property
-    def _attention_backend(self) -> Any:
-        return getattr(self.original, "_attention_backend", None)
-
-    @_attention_backend.setter
-    def _attention_backend(self, value: Any) -> None:
-        self.original._attention_backend = value
 
     def _dense_now(self) -> bool:
         if self.sparse is None or self.steps is None:
