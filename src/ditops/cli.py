@@ -214,16 +214,16 @@ def _bench_other_malloc_state(
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from ditops.bench import wan
+    from ditops.platform import cpu_half_matmuls_slow
 
     where = f"--model {args.model}" if args.model else "the built-in small Wan config"
     print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
     if args.dtype == "auto":
         dtype = wan.default_dtype(device)
         if dtype != torch.bfloat16:
-            capability = torch.backends.cpu.get_cpu_capability()
             print(
                 f"ditops bench: --dtype auto chose float32: this CPU (torch capability "
-                f"{capability}, no AVX-512) runs bf16 matmuls on a slow fallback; "
+                f"{cpu_half_matmuls_slow()}, no AVX-512) runs bf16 matmuls on a slow fallback; "
                 "--dtype bfloat16 measures bf16 anyway (hours)",
                 file=sys.stderr,
             )

@@ -135,6 +135,13 @@ def visible_devices() -> dict[str, int]:
     return {kind: _count(kind) for kind in DEVICE_KINDS}
 
 
+def cpu_half_matmuls_slow() -> str | None:
+    """torch's CPU capability (e.g. ``"AVX2"``) when its bf16/fp16 matmuls on this CPU take a
+    fallback several times slower than fp32 (no AVX-512), else ``None``."""
+    capability = torch.backends.cpu.get_cpu_capability()
+    return None if capability.startswith("AVX512") else capability
+
+
 def platform_summary() -> dict[str, Any]:
     """Versions and devices, for ``ditops info``."""
     info: dict[str, Any] = {

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from ditops.platform import cpu_half_matmuls_slow
+
 #: The default model: Wan's 1.3B width (12 heads of 128, ffn 8960), fewer layers.
 DEFAULT_CONFIG: dict[str, Any] = {
     "patch_size": (1, 2, 2),
@@ -340,8 +342,8 @@ def cpu_warning(device: torch.device, dtype: torch.dtype) -> str | None:
     """A line to show when bf16/fp16 matmuls would run on this CPU's slow fallback."""
     if device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    capability = torch.backends.cpu.get_cpu_capability()
-    if capability.startswith("AVX512"):
+    capability = cpu_half_matmuls_slow()
+    if capability is None:
         return None
     return (
         f"this CPU runs torch at capability {capability} (no AVX-512): {dtype} matmuls take "

@@ -76,6 +76,7 @@ from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_block
 from ditops.backends import npu
 from ditops.backends.triton import TRITON
 from ditops.custom_op import CustomOp, fast_path, register_op
+from ditops.platform import cpu_half_matmuls_slow
 
 _FLOATS = (torch.float32, torch.bfloat16, torch.float16)
 _HALF = (torch.bfloat16, torch.float16)
@@ -299,11 +300,10 @@ class EstimateBlockMask(CustomOp):
             return ["empty sequence: nothing to compute"]
         cells = kwargs.get("block_size", 128) // kwargs.get("stride", 8)
         if kind == "cpu":
-            capability = torch.backends.cpu.get_cpu_capability()
-            if capability.startswith("AVX512"):
+            if cpu_half_matmuls_slow() is None:
                 return [
-                    f"this CPU (torch capability {capability}) multiplies bf16/fp16 "
-                    "natively: the meaning, in q's dtype, is the faster"
+                    f"this CPU (torch capability {torch.backends.cpu.get_cpu_capability()}) "
+                    "multiplies bf16/fp16 natively: the meaning, in q's dtype, is the faster"
                 ]
             return []
         if kind in ("cuda", "hip", "xpu") and cells > TRITON_ESTIMATE_MAX_CELLS:
