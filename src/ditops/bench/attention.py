@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import density_stats, num_blocks
-from ditops.bench.harness import Case
+from ditops.bench.harness import Case, variants_by_case
 from ditops.bench.suites import Suite, register_suite
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
@@ -226,12 +226,8 @@ SUITE = register_suite(
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case: the figures the issue's targets are about, from :func:`ratios` rows."""
-    by_case: dict[str, dict[str, dict[str, Any]]] = {}
-    for row in rows:
-        if row["suite"] == "attention":
-            by_case.setdefault(row["case"], {})[row["variant"]] = row
     out = []
-    for name, variants in by_case.items():
+    for name, variants in variants_by_case(rows, "attention").items():
         p = {k[2:]: v for k, v in variants["native"].items() if k.startswith("p_")}
         density = p.get("density", p["keep"])
         sparse = variants["sparse"]["vs_native"]

@@ -172,6 +172,15 @@ def run_cases(
         bar.close()
 
 
+def variants_by_case(rows: list[dict[str, Any]], suite: str) -> dict[str, dict[str, Any]]:
+    """``{case: {variant: row}}`` of ``suite``'s :func:`ratios` rows, in their order."""
+    by_case: dict[str, dict[str, Any]] = {}
+    for row in rows:
+        if row["suite"] == suite:
+            by_case.setdefault(row["case"], {})[row["variant"]] = row
+    return by_case
+
+
 def ratios(
     results: list[Result],
     baseline: str = "native",

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from ditops import config
-from ditops.bench.harness import Case, Result
+from ditops.bench.harness import Case, Result, variants_by_case
 from ditops.bench.suites import Suite, register_suite
 from ditops.layers.qk_norm_rope import qk_norm_rope
 
@@ -120,12 +120,8 @@ def _steps(size: str) -> int:
 
 def summary(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Per case, the figures of the issue's CPU targets, from ``harness.ratios`` rows."""
-    by_case: dict[str, dict[str, dict[str, Any]]] = {}
-    for r in rows:
-        if r["suite"] == "qk_norm_rope":
-            by_case.setdefault(r["case"], {})[r["variant"]] = r
     out = []
-    for case, v in by_case.items():
+    for case, v in variants_by_case(rows, "qk_norm_rope").items():
         exact, fast = v.get("exact", {}), v.get("fast", {})
         s = {
             "case": case,
