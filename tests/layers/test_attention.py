@@ -690,9 +690,10 @@ def test_schedule_runs_dense_then_sparse() -> None:
         assert torch.equal(layer(q, k, v), dense)
         sparse = layer(q, k, v, step=2)
         mask, counts = estimate_block_mask_reference(
-            q, k, block_size=32, stride=4, keep_ratio=0.25, dense_blocks=2
+            q, k, block_size=32, stride=4, keep_ratio=0.25, dense_blocks=2, method="sampled"
         )
         want = native_attention(q, k, v, mask, counts, block_size=32)
+    assert layer.config.method == "sampled"  # the layer's default
     assert torch.equal(sparse, want)
     assert not torch.allclose(sparse, dense, atol=1e-3)
     assert 0.2 < float(mask.float().mean()) < 0.6
@@ -710,7 +711,7 @@ def test_layer_uses_the_cpu_fast_path() -> None:
     layer = BlockSparseAttention(sparsity=0.5)
     with torch.no_grad():
         out = layer(q, k, v)
-        mask, counts = estimate_block_mask(q, k, keep_ratio=0.5)
+        mask, counts = estimate_block_mask(q, k, keep_ratio=0.5, method=layer.config.method)
     assert_attention_close(out, native_attention(q, k, v, mask, counts), v)
 
 

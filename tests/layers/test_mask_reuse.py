@@ -96,11 +96,12 @@ def test_a_reused_mask_gives_what_attention_with_it_gives() -> None:
     with torch.inference_mode():
         q1, k1, v1 = qkv(1)
         layer(q1, k1, v1, step=0, branch="cond")
-        mask, counts = estimate_block_mask(q1, k1, keep_ratio=0.5, **SMALL)
+        method = layer.config.method
+        mask, counts = estimate_block_mask(q1, k1, keep_ratio=0.5, method=method, **SMALL)
         q2, k2, v2 = qkv(2)
         out = layer(q2, k2, v2, step=1, branch="cond")
         want = block_sparse_attention(q2, k2, v2, mask, counts, block_size=32)
-        fresh, _ = estimate_block_mask(q2, k2, keep_ratio=0.5, **SMALL)
+        fresh, _ = estimate_block_mask(q2, k2, keep_ratio=0.5, method=method, **SMALL)
     assert torch.equal(out, want)
     assert not torch.equal(fresh, mask)  # a per-step estimate would have differed
 

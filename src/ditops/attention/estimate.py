@@ -77,6 +77,13 @@ import torch.nn.functional as F
 
 from ditops.attention.block_mask import causal_candidates, num_blocks, row_counts
 from ditops.attention.layout import plan_chunks, to_bnsd
+from ditops.attention.methods import (
+    DEFAULT_SAMPLES,
+    METHODS,
+    OP_DEFAULT_METHOD,
+    sampled_block_scores,
+    select_per_head,
+)
 
 #: The top-k cap applies only to rows with at least this many candidate blocks.
 MIN_CANDIDATES_FOR_CAP = 10
@@ -104,6 +111,8 @@ def estimate_block_mask_reference(
     causal: bool = False,
     dense_blocks: int = 0,
     forced_blocks: str = "in_budget",
+    method: str = OP_DEFAULT_METHOD,
+    samples: int = DEFAULT_SAMPLES,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Estimate a block mask (see the module docstring for the algorithm).
 
@@ -116,6 +125,9 @@ def estimate_block_mask_reference(
         keep_ratio: ``"in_budget"``: the share of the block map kept, forced blocks
             included; ``"on_top"``: sglang's per-row cap on scored blocks.
         forced_blocks: which of those two readings (:data:`FORCED_BLOCKS`).
+        method: how blocks are scored and the budget spent
+            (:data:`ditops.attention.methods.METHODS`; the steps above are
+            ``"antidiagonal"``); ``samples``: query rows per block the sampled scores read.
 
     Returns:
         ``(mask, counts)``: int8 ``[B, Nq, Qb, KVb]`` and int32 ``[B, Nq, Qb]``.
@@ -142,10 +154,17 @@ def estimate_block_mask_reference(
         return without
     if scale is None:
         scale = int(qb_.shape[-1]) ** -0.5
-    scores = block_scores(
-        qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride, causal=causal
-    )
-    return mask_from_scores(scores, **selection)
+    kind, allocation = METHODS[method]
+    if kind == "sampled":
+        scores = sampled_block_scores(
+            qb_, kb_, block_size=block_size, samples=samples, scale=scale, causal=causal
+        )
+    else:
+        scores = block_scores(
+            qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride,
+            causal=causal,
+        )  # fmt: skip
+    return mask_from_scores(scores, allocation=allocation, **selection)
 
 
 def mask_from_scores(
@@ -158,11 +177,13 @@ def mask_from_scores(
     causal: bool,
     dense_blocks: int,
     forced_blocks: str = "in_budget",
+    allocation: str = "row",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 4-6 and the first frame: ``(mask, counts)`` from fp32 block scores.
 
     Every path that computes the block scores itself (the Triton estimate) finishes
-    here, so the selection has one definition.
+    here, so the selection has one definition. ``allocation``: ``"row"`` or ``"head"``
+    (:mod:`ditops.attention.methods`; ``"head"`` under the in-budget reading only).
     """
     if forced_blocks == "in_budget":
         keep = select_in_budget(
@@ -173,6 +194,7 @@ def mask_from_scores(
             keep_recent=keep_recent,
             causal=causal,
             dense_blocks=dense_blocks,
+            allocation=allocation,
         )
         mask = keep.to(torch.int8)
         return mask, row_counts(mask)
@@ -403,8 +425,11 @@ def select_in_budget(
     keep_recent: bool,
     causal: bool,
     dense_blocks: int,
+    allocation: str = "row",
 ) -> torch.Tensor:
-    """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading)."""
+    """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading):
+    the budget split over the rows (``allocation="row"``) or spent over each head's map
+    (``"head"``, :func:`ditops.attention.methods.select_per_head`)."""
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
     flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
@@ -419,6 +444,10 @@ def select_in_budget(
         return forced.expand(scores.shape).clone()
     cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=dev)
     scored = cand & ~forced
+    if allocation == "head":
+        return select_per_head(
+            scores, left=budget.total - budget.forced, forced=forced, scored=scored
+        )
     # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
     v = scores.masked_fill(~scored | scores.isnan(), -1.0)
     order = v.argsort(dim=-1, descending=True, stable=True)

@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ditops.attention.estimate import FORCED_BLOCKS
+from ditops.attention.methods import DEFAULT_METHOD, DEFAULT_SAMPLES, check_method
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -71,6 +72,16 @@ class BlockSparseConfig:
         keep_sink: always keep key block 0.
         keep_recent: always keep the last candidate key block.
         causal: causal attention (video DiTs are not causal).
+        method: how the estimator scores blocks and spends the budget
+            (:data:`ditops.attention.methods.METHODS`): ``"sampled"`` (the default:
+            ``samples`` query rows of each block attend exactly to every key, the budget
+            split over the rows), ``"sampled_head"`` (the same scores, the budget spent
+            over each head's whole map), ``"antidiagonal"`` (XAttention's strided
+            antidiagonal scores, per row: what the Triton and NPU kernels compute; the
+            default before), ``"antidiagonal_head"``. Where a device's estimate kernel
+            cannot compute a method, the meaning (plain torch) runs there, with the
+            reason in ``explain_call``.
+        samples: query rows per block the sampled scores read (>= 1).
     """
 
     sparsity: float = 0.0
@@ -83,6 +94,8 @@ class BlockSparseConfig:
     causal: bool = False
     forced_blocks: str = "in_budget"
     estimate_every: int = 1
+    method: str = DEFAULT_METHOD
+    samples: int = DEFAULT_SAMPLES
 
     def __post_init__(self) -> None:
         sparsity = _check_float("sparsity", self.sparsity)
@@ -108,6 +121,13 @@ class BlockSparseConfig:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         for name in ("keep_sink", "keep_recent", "causal"):
             _check_bool(name, getattr(self, name))
+        check_method(
+            self.method,
+            self.samples,
+            forced_blocks=self.forced_blocks,
+            threshold=threshold,
+            where="BlockSparseConfig",
+        )
 
     @property
     def keep_ratio(self) -> float:

@@ -71,6 +71,13 @@ from ditops.attention.estimate import (
 )
 from ditops.attention.estimate import block_scores as native_block_scores
 from ditops.attention.layout import LAYOUTS, to_bnsd
+from ditops.attention.methods import (
+    DEFAULT_SAMPLES,
+    METHODS,
+    OP_DEFAULT_METHOD,
+    check_method,
+    sampled_block_scores,
+)
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
 from ditops.backends import npu
@@ -215,6 +222,8 @@ class EstimateBlockMask(CustomOp):
         causal: bool = False,
         dense_blocks: int = 0,
         forced_blocks: str = "in_budget",
+        method: str = OP_DEFAULT_METHOD,
+        samples: int = DEFAULT_SAMPLES,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Returns int8 ``mask [B, Nq, Qb, KVb]`` and int32 ``counts [B, Nq, Qb]``.
 
@@ -224,7 +233,10 @@ class EstimateBlockMask(CustomOp):
         more candidates) with sink, recent and first-frame blocks on top.
         ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
         ``dense_blocks`` >= 0 leading block rows and columns are forced on (the first
-        video frame). See :mod:`ditops.attention.estimate`.
+        video frame). ``method``: how blocks are scored and the budget spent (one of
+        :data:`ditops.attention.methods.METHODS`, default ``"antidiagonal"``, the
+        XAttention estimate); ``samples``: query rows per block of the sampled scores.
+        See :mod:`ditops.attention.estimate` and :mod:`ditops.attention.methods`.
         """
         op = "estimate_block_mask"
         _check_tensors(op, ("q", "k"), (q, k))
@@ -262,6 +274,9 @@ class EstimateBlockMask(CustomOp):
             raise ValueError(
                 f"{op}: forced_blocks must be one of {FORCED_BLOCKS}, got {forced_blocks!r}"
             )
+        check_method(
+            method, samples, forced_blocks=forced_blocks, threshold=float(threshold), where=op
+        )
         selection = {
             "threshold": float(threshold),
             "keep_ratio": float(keep_ratio),
@@ -284,6 +299,8 @@ class EstimateBlockMask(CustomOp):
             block_size=block_size,
             stride=stride,
             scale=scale,
+            method=method,
+            samples=samples,
             **selection,
         )
 
@@ -299,6 +316,19 @@ class EstimateBlockMask(CustomOp):
         if q_len == 0 or kv_len == 0:
             return ["empty sequence: nothing to compute"]
         cells = kwargs.get("block_size", 128) // kwargs.get("stride", 8)
+        method = kwargs.get("method", OP_DEFAULT_METHOD)
+        antidiagonal = METHODS[method][0] == "antidiagonal"
+        if kind in ("cuda", "hip", "xpu", "npu") and not antidiagonal:
+            kernel = "Triton" if kind != "npu" else "NPU"
+            return [
+                f"method {method!r} scores sampled query rows; the {kernel} estimate computes "
+                "antidiagonal scores only (the meaning runs: plain torch on this device)"
+            ]
+        if kind == "npu" and METHODS[method][1] != "row":
+            return [
+                f"method {method!r} spends one budget per head; the NPU kernel takes a budget "
+                "per row only"
+            ]
         if kind == "cpu":
             if cpu_half_matmuls_slow() is None:
                 return [
@@ -347,12 +377,15 @@ class EstimateBlockMask(CustomOp):
         causal: bool,
         **selection: Any,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Block scores from the Triton kernel, then the native selection."""
+        """Block scores from the Triton kernel (antidiagonal methods only, see
+        ``fast_path_reasons``), then the native selection."""
         from ditops.kernels.triton.estimate import block_scores
 
         qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
+        allocation = METHODS[selection.pop("method")][1]
+        selection.pop("samples")
         scores = block_scores(qb, kb, **_score_args(qb, block_size, stride, scale, causal))
-        return mask_from_scores(scores, causal=causal, **selection)
+        return mask_from_scores(scores, causal=causal, allocation=allocation, **selection)
 
     forward_hip = forward_cuda
     forward_xpu = forward_cuda
@@ -376,10 +409,19 @@ class EstimateBlockMask(CustomOp):
         3.2-3.4 s, 77-94% of a dense attention, on the 2-core AVX2 machine). Scores
         differ from the meaning's by its roundings (of q * scale, the scores and the
         probabilities to q's dtype): masks agree except at near-ties, as the Triton
-        estimate's do."""
+        estimate's do. Both methods' scores (antidiagonal, sampled)."""
         qb, kb = to_bnsd(q, layout).float(), to_bnsd(k, layout).float()
-        scores = native_block_scores(qb, kb, **_score_args(qb, block_size, stride, scale, causal))
-        return mask_from_scores(scores, causal=causal, **selection)
+        kind, allocation = METHODS[selection.pop("method")]
+        samples = selection.pop("samples")
+        args = _score_args(qb, block_size, stride, scale, causal)
+        if kind == "sampled":
+            softmax_scale = args["score_scale"] * stride
+            scores = sampled_block_scores(
+                qb, kb, block_size=block_size, samples=samples, scale=softmax_scale, causal=causal
+            )
+        else:
+            scores = native_block_scores(qb, kb, **args)
+        return mask_from_scores(scores, causal=causal, allocation=allocation, **selection)
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
     def forward_npu(
@@ -398,6 +440,8 @@ class EstimateBlockMask(CustomOp):
         causal: bool,
         dense_blocks: int,
         forced_blocks: str,
+        method: str,
+        samples: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The kernel selects per row with one top-k ratio and sink/recent on top
         (sglang's reading); ditops forces the first frame afterwards.
@@ -803,6 +847,8 @@ class BlockSparseAttention(nn.Module):
             causal=cfg.causal,
             dense_blocks=self.dense_blocks,
             forced_blocks=cfg.forced_blocks,
+            method=cfg.method,
+            samples=cfg.samples,
         )
 
     def _block_mask(

@@ -1,0 +1,144 @@
+"""The estimator's methods: how block scores are computed and how the budget is spent.
+
+A method is a pair (scores, allocation), named in :data:`METHODS`:
+
+* **scores** ``"antidiagonal"``: XAttention's strided antidiagonal scores
+  (:func:`ditops.attention.estimate.block_scores`; what the Triton and NPU kernels
+  compute). ``"sampled"``: ``samples`` query rows of each query block, spread evenly
+  over it, attend to *every* key exactly (one softmax per sampled row), and a block's
+  score is the mass its sampled rows give each key block (:func:`sampled_block_scores`).
+  That is the exact block mass the oracles rank by, estimated from a sample of the
+  block's queries: neighbouring queries of a video attend alike, so a few rows suffice.
+  Its work is ``samples / block_size`` of a dense ``q k^T`` (4 rows: 1/32, a 64th of a
+  dense attention's two matmuls) plus a softmax over ``samples * Qb x Skv`` scores;
+  the antidiagonal's is ``1 / stride`` of ``q k^T`` (stride 8: 1/8) plus a softmax over
+  ``(Sq / stride) x (Skv / stride)``.
+* **allocation** ``"row"``: the budget left after the forced blocks is split over the
+  rows in proportion to their scored candidates, each row keeping its best blocks
+  (:func:`ditops.attention.estimate.select_in_budget`). ``"head"``: the same budget per
+  head, spent on the blocks that add the most of their row's estimated mass over the
+  whole map (:func:`select_per_head`): diffuse rows get more blocks, sharp rows fewer,
+  the total per head unchanged (only the in-budget reading: ``forced_blocks="on_top"``
+  caps each row by definition).
+
+Measured on :mod:`ditops.bench.video_attention` (``ditops bench masks``): see the
+README's sparse attention section and ``benchmarks/cpu/masks.txt``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ditops.attention.block_mask import num_blocks
+
+#: method name -> (scores, allocation).
+METHODS: dict[str, tuple[str, str]] = {
+    "sampled": ("sampled", "row"),
+    "sampled_head": ("sampled", "head"),
+    "antidiagonal": ("antidiagonal", "row"),
+    "antidiagonal_head": ("antidiagonal", "head"),
+}
+#: The op's default (its documented XAttention meaning) and the layer's default.
+OP_DEFAULT_METHOD = "antidiagonal"
+DEFAULT_METHOD = "sampled"
+#: Query rows per block the sampled scores read by default.
+DEFAULT_SAMPLES = 4
+#: fp32 scores held at once by :func:`sampled_block_scores` (32 MiB).
+_SAMPLED_CHUNK = 1 << 23
+
+
+def check_method(
+    method: object, samples: object, *, forced_blocks: str, threshold: float, where: str
+) -> None:
+    """Raise a ValueError saying what is valid when ``method``/``samples`` are not."""
+    if method not in METHODS:
+        raise ValueError(f"{where}: method must be one of {tuple(METHODS)}, got {method!r}")
+    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+        raise ValueError(f"{where}: samples must be an int >= 1, got {samples!r}")
+    if METHODS[method][1] == "head":
+        if forced_blocks != "in_budget":
+            raise ValueError(
+                f"{where}: method {method!r} spends one budget per head; it needs "
+                f"forced_blocks='in_budget' (got {forced_blocks!r}, a per-row cap)"
+            )
+        if threshold < 1.0:
+            raise ValueError(
+                f"{where}: method {method!r} spends the whole budget per head; threshold "
+                f"< 1 (got {threshold}) applies to the per-row methods only"
+            )
+
+
+def sample_rows(q_len: int, block_size: int, samples: int) -> torch.Tensor:
+    """Query positions sampled: ``samples`` per block at the centres of equal slices of
+    its real rows (a partial last block samples within its rows; repeats are allowed)."""
+    starts = torch.arange(num_blocks(q_len, block_size)) * block_size
+    real = (q_len - starts).clamp(max=block_size)
+    centre = (torch.arange(samples, dtype=torch.float64) + 0.5) / samples
+    return (starts[:, None] + (centre[None, :] * real[:, None]).long()).reshape(-1)
+
+
+def sampled_block_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    samples: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """fp32 ``[B, Nq, Qb, KVb]``: per query block, the softmax mass its ``samples``
+    sampled rows give each key block (each row's mass sums to 1; BNSD inputs, GQA).
+
+    The logits are computed in q's dtype (the scale folded into q first, as the
+    antidiagonal scores do), the softmax in fp32. Under ``causal`` a query block's
+    candidates are the key blocks up to its own (block level, as the selection's).
+    """
+    batch, heads, q_len, _ = (int(s) for s in q.shape)
+    kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
+    group = heads // kv_heads
+    q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    rows = sample_rows(q_len, block_size, samples).to(q.device)
+    full = (kv_len // block_size) * block_size
+    allowed = None
+    if causal:
+        col_block = torch.arange(kv_len, device=q.device) // block_size
+        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+    out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
+    head_chunk = max(1, _SAMPLED_CHUNK // max(int(rows.numel()) * kv_len, 1))
+    for b in range(batch):
+        for h0 in range(0, heads, head_chunk):
+            h1 = min(heads, h0 + head_chunk)
+            kt = k[b, torch.arange(h0, h1, device=q.device) // group] if group > 1 else k[b, h0:h1]
+            qs = q[b, h0:h1].index_select(1, rows) * scale
+            s = torch.matmul(qs, kt.transpose(-1, -2)).float()
+            if allowed is not None:
+                s.masked_fill_(~allowed, float("-inf"))
+            # exp(s - max) in place; the sums per key block, then per row, normalise.
+            s.sub_(s.amax(-1, keepdim=True)).exp_()
+            per = s[..., :full].reshape(h1 - h0, -1, full // block_size, block_size).sum(-1)
+            if full < kv_len:
+                per = torch.cat([per, s[..., full:].sum(-1, keepdim=True)], dim=-1)
+            per.div_(per.sum(-1, keepdim=True))
+            out[b, h0:h1] = per.view(h1 - h0, q_blocks, samples, kv_blocks).sum(2)
+    return out
+
+
+def select_per_head(
+    scores: torch.Tensor, *, left: int, forced: torch.Tensor, scored: torch.Tensor
+) -> torch.Tensor:
+    """Bool ``[..., Qb, KVb]``: the ``left`` scored blocks per head that add the most of
+    their row's estimated mass (each row's scores normalised to its total, forced blocks
+    included), plus ``forced``.
+
+    Within a row the gains fall with rank, so this is the best split of ``left`` blocks
+    over the rows for the estimated mass (the per-head oracle's, on estimated scores).
+    Ties: the earlier row, then the lower key block. NaN scores are never kept (a head
+    with NaN may then keep fewer).
+    """
+    total = scores.nan_to_num(0.0).sum(-1, keepdim=True)
+    share = scores / total.clamp(min=torch.finfo(torch.float32).tiny)
+    v = share.masked_fill(~scored | share.isnan(), -1.0).flatten(-2)
+    order = v.argsort(dim=-1, descending=True, stable=True)[..., :left]
+    keep = torch.zeros_like(v, dtype=torch.bool).scatter_(-1, order, True)
+    keep &= v >= 0
+    return keep.view(scores.shape) | forced
