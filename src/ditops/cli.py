@@ -145,6 +145,16 @@ def _bench(args: argparse.Namespace) -> int:
 
             payload["attention_summary"] = attention.summary(rows)
             attention.print_summary(payload["attention_summary"])
+        if "masks" in names:
+            from ditops.bench import masks
+
+            payload["masks_summary"] = masks.summary(rows)
+            masks.print_summary(payload["masks_summary"])
+            if args.plot:  # beside the wan suite's plot when both run
+                stem, ext = os.path.splitext(args.plot)
+                path = f"{stem}-masks{ext or '.png'}" if "wan" in names else args.plot
+                masks.plot(payload["masks_summary"], path)
+                print(f"wrote {path}", file=sys.stderr)
         if "qk_norm_rope" in names:
             from ditops.bench import qk_norm_rope
 
@@ -237,13 +247,17 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         args.size,
         model_path=args.model,
         progress=not args.no_progress,
-        plot_path=args.plot,
+        plot_path=WAN_PLOT if args.plot is None else args.plot,
         dtype=dtype,
     )
     wan.print_report(result)
-    if args.plot:
-        print(f"wrote {args.plot}", file=sys.stderr)
+    if args.plot != "":
+        print(f"wrote {WAN_PLOT if args.plot is None else args.plot}", file=sys.stderr)
     return result
+
+
+#: The wan suite's plot when --plot is not given.
+WAN_PLOT = "ditops-bench-wan.png"
 
 
 def _default_device() -> torch.device:
@@ -271,7 +285,8 @@ def build_parser() -> argparse.ArgumentParser:
         "suites",
         nargs="*",
         help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
-        "layer_norm, modulation, attention",
+        "layer_norm, modulation, attention, masks (the mask estimation methods against "
+        "oracles), qk_norm_rope",
     )
     bench.add_argument(
         "--size",
@@ -293,9 +308,10 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--json", default=None, metavar="PATH", help="also write results as JSON")
     bench.add_argument(
         "--plot",
-        default="ditops-bench-wan.png",
+        default=None,
         metavar="PNG",
-        help="where the wan suite writes its plot ('' for none)",
+        help=f"where the wan suite writes its plot (default {WAN_PLOT}; '' for none) and "
+        "the masks suite its own (only when given; PNG-masks.png when wan runs too)",
     )
     bench.add_argument(
         "--model",

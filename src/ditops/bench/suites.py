@@ -42,7 +42,7 @@ def all_suites() -> dict[str, Suite]:
     """Suites by name, importing the suite modules on first call."""
     from ditops.bench import layer_norm  # noqa: F401 - registers itself
 
-    for module in ("modulation", "attention", "qk_norm_rope"):
+    for module in ("modulation", "attention", "masks", "qk_norm_rope"):
         try:
             __import__(f"ditops.bench.{module}")
         except ModuleNotFoundError as exc:
