@@ -132,6 +132,8 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     report = text.getvalue()
     assert "target: sparsity 0.75 at >= 1.8x per sparse step" in report
     assert "sparse 0.75 /2: against estimating at every step" in report
+    assert "mask method 'sampled', samples 4" in report  # the estimator's method is named
+    assert result["mask_method"] == {"method": "sampled", "samples": 4}
 
 
 def test_bench_wan_without_diffusers_says_what_to_install(

@@ -9,9 +9,9 @@ A method is a pair (scores, allocation), named in :data:`METHODS`:
   score is the mass its sampled rows give each key block (:func:`sampled_block_scores`).
   That is the exact block mass the oracles rank by, estimated from a sample of the
   block's queries: neighbouring queries of a video attend alike, so a few rows suffice.
-  Its work is ``samples / block_size`` of a dense ``q k^T`` (4 rows: 1/32, a 64th of a
-  dense attention's two matmuls) plus a softmax over ``samples * Qb x Skv`` scores;
-  the antidiagonal's is ``1 / stride`` of ``q k^T`` (stride 8: 1/8) plus a softmax over
+  Its work is ``samples / block_size`` of a dense attention's (4 rows: 1/32), run as an
+  attention by SDPA (one call per ``D`` key blocks); the antidiagonal's is
+  ``1 / stride`` of a dense ``q k^T`` (stride 8: 1/8) plus a softmax over
   ``(Sq / stride) x (Skv / stride)``.
 * **allocation** ``"row"``: the budget left after the forced blocks is split over the
   rows in proportion to their scored candidates, each row keeping its best blocks
@@ -28,6 +28,7 @@ README's sparse attention section and ``benchmarks/cpu/masks.txt``.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
 
@@ -43,8 +44,6 @@ OP_DEFAULT_METHOD = "antidiagonal"
 DEFAULT_METHOD = "sampled"
 #: Query rows per block the sampled scores read by default.
 DEFAULT_SAMPLES = 4
-#: fp32 scores held at once by :func:`sampled_block_scores` (32 MiB).
-_SAMPLED_CHUNK = 1 << 23
 
 
 def check_method(
@@ -85,41 +84,39 @@ def sampled_block_scores(
     samples: int,
     scale: float,
     causal: bool,
+    compute_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """fp32 ``[B, Nq, Qb, KVb]``: per query block, the softmax mass its ``samples``
     sampled rows give each key block (each row's mass sums to 1; BNSD inputs, GQA).
 
-    The logits are computed in q's dtype (the scale folded into q first, as the
-    antidiagonal scores do), the softmax in fp32. Under ``causal`` a query block's
-    candidates are the key blocks up to its own (block level, as the selection's).
+    Computed as attention: the sampled rows attend to every key with, as values, the
+    one-hot key-block indicator, so the output row *is* the mass per key block (SDPA:
+    its flash kernels run it at their speed per score, several times faster on CPU than
+    matmul + exp + sums; the one-hot values go ``D`` columns per call, padded to ``D``
+    so the flash kernel serves them). In ``compute_dtype`` (default q's); bf16/fp16
+    outputs round each mass to the dtype. Under ``causal`` a query block's candidates
+    are the key blocks up to its own (block level, as the selection's).
     """
-    batch, heads, q_len, _ = (int(s) for s in q.shape)
+    batch, heads, q_len, dim = (int(s) for s in q.shape)
     kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
-    group = heads // kv_heads
+    dtype = q.dtype if compute_dtype is None else compute_dtype
     q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
     rows = sample_rows(q_len, block_size, samples).to(q.device)
-    full = (kv_len // block_size) * block_size
-    allowed = None
+    qs, kk = q.index_select(2, rows).to(dtype), k.to(dtype)
+    col_block = torch.arange(kv_len, device=q.device) // block_size
+    mask = None
     if causal:
-        col_block = torch.arange(kv_len, device=q.device) // block_size
-        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+        mask = col_block[None, :] <= (rows // block_size)[:, None]
     out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
-    head_chunk = max(1, _SAMPLED_CHUNK // max(int(rows.numel()) * kv_len, 1))
-    for b in range(batch):
-        for h0 in range(0, heads, head_chunk):
-            h1 = min(heads, h0 + head_chunk)
-            kt = k[b, torch.arange(h0, h1, device=q.device) // group] if group > 1 else k[b, h0:h1]
-            qs = q[b, h0:h1].index_select(1, rows) * scale
-            s = torch.matmul(qs, kt.transpose(-1, -2)).float()
-            if allowed is not None:
-                s.masked_fill_(~allowed, float("-inf"))
-            # exp(s - max) in place; the sums per key block, then per row, normalise.
-            s.sub_(s.amax(-1, keepdim=True)).exp_()
-            per = s[..., :full].reshape(h1 - h0, -1, full // block_size, block_size).sum(-1)
-            if full < kv_len:
-                per = torch.cat([per, s[..., full:].sum(-1, keepdim=True)], dim=-1)
-            per.div_(per.sum(-1, keepdim=True))
-            out[b, h0:h1] = per.view(h1 - h0, q_blocks, samples, kv_blocks).sum(2)
+    for c0 in range(0, kv_blocks, dim):
+        c1 = min(kv_blocks, c0 + dim)
+        onehot = (col_block[:, None] == torch.arange(c0, c0 + dim, device=q.device)).to(dtype)
+        v = onehot.expand(batch, kv_heads, kv_len, dim).contiguous()
+        mass = F.scaled_dot_product_attention(
+            qs, kk, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
+        )
+        mass = mass[..., : c1 - c0].float().reshape(batch, heads, q_blocks, samples, c1 - c0)
+        out[..., c0:c1] = mass.sum(3)
     return out
 
 

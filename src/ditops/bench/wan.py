@@ -480,6 +480,7 @@ def run(
     summary = _summary(rows, n_steps)
     if plot_path:
         _plot(rows, summary, plot_path)
+    mask_cfg = _sparse(REUSE_SPARSITY)  # every sparse variant's estimate method
     return {
         "machine": machine_info(device),
         "dtype": str(dtype).replace("torch.", ""),
@@ -498,6 +499,7 @@ def run(
         "repeats": repeats,
         "skip_first_steps": SKIP_FIRST_STEPS,
         "reuse_every": REUSE_EVERY,
+        "mask_method": {"method": mask_cfg.method, "samples": mask_cfg.samples},
         "warmup_seconds": warmups,
         "rows": rows,
         "summary": summary,
@@ -629,8 +631,10 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
             f"{r['psnr']:>7.1f}",
             file=out,
         )
+    method = result.get("mask_method")
+    how = f", mask method {method['method']!r}, samples {method['samples']}" if method else ""
     print(
-        f"\nsparse steps, per forward ({result['config']['num_layers']} self-attentions): "
+        f"\nsparse steps, per forward ({result['config']['num_layers']} self-attentions{how}): "
         "density asked/run, estimate and attention time, speedups of the attention alone "
         "(without / with the estimate) and of the whole step, against the unpatched model",
         file=out,

@@ -410,17 +410,17 @@ class EstimateBlockMask(CustomOp):
         differ from the meaning's by its roundings (of q * scale, the scores and the
         probabilities to q's dtype): masks agree except at near-ties, as the Triton
         estimate's do. Both methods' scores (antidiagonal, sampled)."""
-        qb, kb = to_bnsd(q, layout).float(), to_bnsd(k, layout).float()
+        qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
         kind, allocation = METHODS[selection.pop("method")]
         samples = selection.pop("samples")
         args = _score_args(qb, block_size, stride, scale, causal)
-        if kind == "sampled":
-            softmax_scale = args["score_scale"] * stride
+        if kind == "sampled":  # converts the sampled rows and each head's keys only
             scores = sampled_block_scores(
-                qb, kb, block_size=block_size, samples=samples, scale=softmax_scale, causal=causal
-            )
+                qb, kb, block_size=block_size, samples=samples, causal=causal,
+                scale=args["score_scale"] * stride, compute_dtype=torch.float32,
+            )  # fmt: skip
         else:
-            scores = native_block_scores(qb, kb, **args)
+            scores = native_block_scores(qb.float(), kb.float(), **args)
         return mask_from_scores(scores, causal=causal, allocation=allocation, **selection)
 
     @fast_path(backend=NPU_ESTIMATE, precisions=("fast",), dtypes=_HALF, inference_only=True)
