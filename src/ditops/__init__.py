@@ -9,7 +9,7 @@ from ditops._version import __version__ as __version__
 from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
-from ditops.integrations import PatchError, patch, set_step, unpatch
+from ditops.integrations import PatchError, explain_patch, patch, set_step, unpatch
 from ditops.layers.adaln import adaln_modulate, adaln_residual, adaln_residual_modulate
 from ditops.layers.attention import (
     BlockSparseAttention,
@@ -51,6 +51,7 @@ __all__ = [
     "configure",
     "device_kind",
     "explain",
+    "explain_patch",
     "force_device_kind",
     "override",
     "patch",

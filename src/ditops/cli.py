@@ -64,6 +64,29 @@ def _info(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_argument_problem(args: argparse.Namespace) -> str | None:
+    """What is wrong with the bench's arguments (a device that is not there, an output
+    that cannot be written), in one line, or None."""
+    if args.device:
+        try:
+            torch.empty(0, device=torch.device(args.device))
+        except (RuntimeError, AssertionError, ValueError) as exc:
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            return f"--device {args.device} is not usable here ({first})"
+    for flag in ("json", "plot"):
+        path = getattr(args, flag, None)
+        if not path:
+            continue
+        where = os.path.dirname(os.path.abspath(path))
+        if os.path.isdir(path):
+            return f"--{flag} {path} is a directory; give a file path"
+        if not os.path.isdir(where):
+            return f"--{flag} {path}: the folder {where} does not exist"
+        if not os.access(where, os.W_OK):
+            return f"--{flag} {path}: the folder {where} is not writable"
+    return None
+
+
 def _bench(args: argparse.Namespace) -> int:
     from ditops.bench.harness import (
         machine_info,
@@ -76,6 +99,10 @@ def _bench(args: argparse.Namespace) -> int:
     )
     from ditops.bench.suites import all_suites
 
+    problem = _bench_argument_problem(args)
+    if problem:  # before any benchmark runs: minutes of work never end in a traceback
+        print(f"ditops bench: {problem}", file=sys.stderr)
+        return 2
     if args.parallel:
         return _bench_parallel(args)
     suites = all_suites()

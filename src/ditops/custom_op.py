@@ -284,6 +284,11 @@ class CustomOp(nn.Module):
         """Op-specific reasons the fast path for ``kind`` cannot take these inputs."""
         return []
 
+    def output_shape(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:
+        """The shape of the one output tensor (ops with ``meaning_for_non_finite`` only:
+        compiled, their non-finite choice is a ``torch.cond`` over flat outputs)."""
+        raise NotImplementedError(f"{type(self).__name__} must define output_shape")
+
     # -- dispatch -------------------------------------------------------------------------
 
     def resolved_precision(self) -> str:
@@ -361,12 +366,21 @@ class CustomOp(nn.Module):
                 full[i] = t
             return full
 
-        return torch.cond(
+        # torch.cond must prove its outputs' strides dense, which it cannot for symbolic
+        # sizes (a new resolution recompiles with dynamic shapes: a contiguous stride is
+        # Max(1, size)): the branches return the output flat, shaped back after.
+        shape = self.output_shape(*args, **kwargs)
+
+        def flat(fn: Callable[..., Any]) -> Callable[..., Any]:
+            return lambda *ts: fn(*rebuild(ts), **kwargs).contiguous().reshape(-1)
+
+        out = torch.cond(
             _finite(self._guarded_tensors(args)),
-            lambda *ts: method(self, *rebuild(ts), **kwargs),
-            lambda *ts: self.forward_native(*rebuild(ts), **kwargs),
+            flat(lambda *a, **k: method(self, *a, **k)),
+            flat(self.forward_native),
             tuple(args[i] for i in positions),
         )
+        return out.view(shape)
 
     def _call_reasons(
         self, spec: PathSpec | None, kind: str, args: tuple[Any, ...], kwargs: dict[str, Any]

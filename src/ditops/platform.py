@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from ditops.tracing import trace_time_constant
+
 logger = logging.getLogger("ditops")
 
 #: The device kinds ops may define a ``forward_<kind>`` for.
@@ -135,6 +137,7 @@ def visible_devices() -> dict[str, int]:
     return {kind: _count(kind) for kind in DEVICE_KINDS}
 
 
+@trace_time_constant  # torch.compile: a constant in the graph (dynamo cannot trace the call)
 def cpu_half_matmuls_slow() -> str | None:
     """torch's CPU capability (e.g. ``"AVX2"``) when its bf16/fp16 matmuls on this CPU take a
     fallback several times slower than fp32 (no AVX-512), else ``None``."""

@@ -314,3 +314,27 @@ def test_bench_runs_malloc_suites_in_both_states(
     assert [r["malloc"] for r in rows] == [here] * 3 + [other] * 3
     assert all(r["vs_native"] > 0 for r in rows)
     assert f"(malloc: {other}," in text and "x native in each malloc state" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "fragment"),
+    [
+        (["--device", "cuda"], "--device cuda is not usable here"),
+        (["--device", "nodevice"], "--device nodevice is not usable here"),
+        (["--json", "/nonexistent-ditops/x.json"], "the folder /nonexistent-ditops does not exist"),
+        (["--plot", "/nonexistent-ditops/p.png"], "the folder /nonexistent-ditops does not exist"),
+        (["--json", "."], "is a directory"),
+    ],
+)
+def test_bad_bench_arguments_are_one_line_and_exit_2_before_any_benchmark(
+    argv: list[str], fragment: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ditops.bench import harness
+
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("a benchmark ran before the arguments were checked")
+
+    monkeypatch.setattr(harness, "run_cases", never)
+    assert cli.main(["bench", "layer_norm", *argv]) == 2
+    err = capsys.readouterr().err.strip()
+    assert fragment in err and len(err.splitlines()) == 1, err

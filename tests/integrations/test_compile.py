@@ -67,3 +67,27 @@ def test_compile_first_fullgraph_without_recompiles(
     else:
         rel = (first.float() - want.float()).abs().max() / want.float().abs().max()
         assert rel <= FAST_REL_TOL, rel
+
+
+@pytest.mark.parametrize("capability", ["AVX2", "AVX512"])
+def test_sparse_fullgraph_at_a_new_resolution_and_either_cpu_estimate(
+    capability: str, monkeypatch: pytest.MonkeyPatch, as_in_a_fresh_process: None
+) -> None:
+    """What the README states: sparse attention compiles with fullgraph=True (every
+    estimate), on both CPU estimate paths (AVX2: fp32 block scores; AVX-512: the meaning),
+    and a second resolution recompiles (dynamic shapes) and still runs. Before: the
+    non-finite torch.cond failed on symbolic output strides at the second resolution. (The
+    capability query is replaced here; that dynamo takes the real one as a constant is the
+    marker checked first.)"""
+    from ditops.platform import cpu_half_matmuls_slow
+    from ditops.tracing import MARKER
+
+    assert getattr(cpu_half_matmuls_slow, MARKER, False)
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: capability)
+    model = tiny_wan(keep_fp32=True)
+    ditops.patch(model, precision="exact", attention=SPARSE)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for hw in (16, 24):
+        x = inputs(frames=4, hw=hw)
+        got = run(compiled, step=1, **x)
+        assert torch.equal(got, run(model, step=1, **x))

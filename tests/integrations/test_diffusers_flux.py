@@ -181,10 +181,23 @@ def _affine_norm2(model: nn.Module) -> None:
     model.transformer_blocks[1].norm2 = nn.LayerNorm(32, elementwise_affine=True).bfloat16()
 
 
+def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
+    model = tiny_flux()
+    _affine_norm2(model)
+    nn.init.normal_(model.transformer_blocks[1].norm2.weight)
+    x = inputs()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    why = report.unfused["FluxTransformer2DModel"]["transformer_blocks.1"]
+    assert "norm2 is a LayerNorm, not a LayerNorm without affine" in why
+    assert report.models["FluxTransformer2DModel"]["fused blocks"] == 3
+    assert "forward" not in vars(model.transformer_blocks[1])
+    assert torch.equal(run(model, **x), ref)
+
+
 @pytest.mark.parametrize(
     ("change", "options", "fragment"),
     [
-        (_affine_norm2, {}, r"transformer_blocks\[1\].norm2 is not a LayerNorm without affine"),
         (lambda m: None, {"attention": BlockSparseConfig(sparsity=0.5)}, "WanTransformer3DModel"),
         (
             lambda m: setattr(m.single_transformer_blocks[0].attn.norm_k, "eps", 1e-5),
@@ -192,7 +205,7 @@ def _affine_norm2(model: nn.Module) -> None:
             r"single_transformer_blocks\[0\].attn.norm_q and norm_k have different eps",
         ),
     ],
-    ids=["affine_norm", "sparse_attention", "qk_eps"],
+    ids=["sparse_attention", "qk_eps"],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
     change, options: dict, fragment: str

@@ -17,7 +17,7 @@ import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.bench.wan import cast_like_from_pretrained
 from ditops.integrations import PatchError, set_step
-from ditops.integrations.base import ModuleSwap
+from ditops.integrations.base import ClassSwap
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import spy_forward_cpu
 
@@ -178,7 +178,7 @@ def test_patch_twice_is_harmless_and_other_options_repatch() -> None:
     again = ditops.patch(model, precision="exact")
     assert first.models == again.models
     assert isinstance(model.blocks[0].norm1, FP32LayerNorm)
-    swaps = [c for c in model._ditops_patch.changes if isinstance(c, ModuleSwap)]
+    swaps = [c for c in model._ditops_patch.changes if isinstance(c, ClassSwap)]
     assert len(swaps) == first.models["WanTransformer3DModel"]["norms"]
     ditops.patch(model, precision="fast")
     assert model.blocks[0].norm1.precision == "fast"
@@ -266,19 +266,24 @@ def test_masks_reused_per_layer_and_guidance_branch_in_a_pipeline_loop() -> None
     finally:
         hook.remove()
     # Block 1's self-attention sees the text through block 0: the branches differ there.
-    masks = model.blocks[1].attn1.processor.sparse._masks
+    masks = model.blocks[1].attn1.processor.sparse._thread_masks()
     assert set(masks) == {"cond", "uncond"}
     assert not torch.equal(masks["cond"].mask, masks["uncond"].mask)
 
 
-def test_refuses_a_block_that_does_not_match_and_changes_nothing() -> None:
+def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward_and_says_why() -> None:
     model = tiny_wan(keep_fp32=False)
     model.blocks[1].norm1 = nn.LayerNorm(32, elementwise_affine=True)  # not what Wan has
-    before = [type(m) for m in model.modules()]
-    with pytest.raises(PatchError, match=r"blocks\[1\].norm1 is not a LayerNorm without affine"):
-        ditops.patch(model)
-    assert [type(m) for m in model.modules()] == before
-    assert not hasattr(model, "_ditops_patch")
+    nn.init.normal_(model.blocks[1].norm1.weight)
+    x = inputs()
+    want = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["WanTransformer3DModel"]["fused blocks"] == 1
+    assert report.models["WanTransformer3DModel"]["unfused blocks"] == 1
+    why = report.unfused["WanTransformer3DModel"]["blocks.1"]
+    assert "norm1 is a LayerNorm, not a LayerNorm without affine" in why
+    assert "forward" not in vars(model.blocks[1])  # diffusers' own forward, untouched
+    assert torch.equal(run(model, **x), want)
 
 
 def test_generic_model_norms_swapped_keeping_weights() -> None:

@@ -88,7 +88,7 @@ def test_masks_are_reused_exactly_n_minus_1_times_per_branch() -> None:
             assert group[0].dtype == torch.int8
     # The branches keep their own masks (different inputs, different masks).
     assert got[0][1] is not got[1][1] and not torch.equal(got[0][1], got[1][1])
-    assert len(layer._masks) == 2
+    assert len(layer._thread_masks()) == 2
 
 
 def test_a_reused_mask_gives_what_attention_with_it_gives() -> None:
@@ -146,8 +146,8 @@ def test_memory_is_one_mask_per_branch_and_bounded() -> None:
     layer = BlockSparseAttention(sparsity=0.5, estimate_every=2, **SMALL)
     names = [f"b{i}" for i in range(MAX_MASK_BRANCHES + 2)]
     run(layer, [(s, name, s) for s in (0, 1) for name in names])
-    assert list(layer._masks) == names[-MAX_MASK_BRANCHES:]
-    for entry in layer._masks.values():
+    assert list(layer._thread_masks()) == names[-MAX_MASK_BRANCHES:]
+    for entry in layer._thread_masks().values():
         assert entry.mask.dtype == torch.int8 and entry.mask.shape == (1, 2, 10, 10)
 
 

@@ -4,7 +4,8 @@ A patch changes a model in place through a few kinds of change, each recorded as
 data on the model (``model._ditops_patch``) so that :func:`ditops.unpatch` restores the
 very same objects:
 
-* :class:`ModuleSwap`: a child module replaced (a norm by ditops' norm);
+* :class:`ClassSwap`: a module's class changed in place (a norm becomes ditops' norm: the
+  same object, so its parameters, hooks and offloading stay its own);
 * :class:`ForwardSwap`: a module's forward replaced, *under* the hooks already wrapping
   it (diffusers' ``HookRegistry`` chain, accelerate's ``_old_forward``), so hooks
   registered before the patch keep running around the patched forward, as if they had
@@ -12,6 +13,10 @@ very same objects:
 * :class:`AttrSet`: an attribute set on an object (an attention processor, a
   ``cache_context`` that also tells ditops the denoising step);
 * :class:`TorchHook`: a ``torch.nn.Module`` forward pre-hook.
+
+Every change undoes only what is still its own: a processor or module the user set after
+the patch stays the user's. Each can also be redone, so a patch that is refused leaves a
+patched model patched as it was (:func:`ditops.patch` checks with the old patch undone).
 
 Nothing here holds a closure or a lock: a record references modules and module-level
 callables only, so ``copy.deepcopy(model)`` gives an independent patched copy (the copy's
@@ -21,17 +26,22 @@ as the rest of it does.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import inspect
+import logging
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.config import PRECISIONS
+
+logger = logging.getLogger("ditops")
 
 
 class PatchError(ValueError):
@@ -77,15 +87,24 @@ class PatchOptions:
 
 
 @dataclass
-class ModuleSwap:
-    """``parent.<name>`` was ``original``."""
+class ClassSwap:
+    """``module`` was of class ``original``; the patch made it a ``patched`` (a subclass
+    sharing its state), with ``precision``."""
 
-    parent: nn.Module
-    name: str
-    original: nn.Module
+    module: nn.Module
+    original: type
+    patched: type
+    precision: str | None
 
     def undo(self) -> None:
-        setattr(self.parent, self.name, self.original)
+        if type(self.module) is self.patched:  # not if someone changed it since
+            self.module.__class__ = self.original
+            vars(self.module).pop("_precision", None)
+
+    def redo(self) -> None:
+        if type(self.module) is self.original:
+            self.module.__class__ = self.patched
+            self.module.precision = self.precision  # type: ignore[attr-defined]
 
 
 _MISSING = object()
@@ -99,20 +118,27 @@ class AttrSet:
     name: str
     had: bool
     old: Any = None
+    value: Any = None
 
     @classmethod
     def apply(cls, obj: Any, name: str, value: Any) -> AttrSet:
         """Set ``obj.<name> = value`` and return the change that undoes it."""
         old = vars(obj).get(name, _MISSING) if hasattr(obj, "__dict__") else _MISSING
-        change = cls(obj, name, old is not _MISSING, None if old is _MISSING else old)
+        change = cls(obj, name, old is not _MISSING, None if old is _MISSING else old, value)
         setattr(obj, name, value)
         return change
 
     def undo(self) -> None:
+        if getattr(self.obj, self.name, _MISSING) is not self.value:
+            return  # set by someone else since (a processor of the user's): theirs stays
         if self.had:
             setattr(self.obj, self.name, self.old)
         else:
             vars(self.obj).pop(self.name, None)
+
+    def redo(self) -> None:
+        if vars(self.obj).get(self.name, _MISSING) is (self.old if self.had else _MISSING):
+            setattr(self.obj, self.name, self.value)
 
 
 @dataclass
@@ -121,10 +147,22 @@ class TorchHook:
 
     module: nn.Module
     hook_id: int
+    hook: Callable[..., Any] | None = None
+
+    @classmethod
+    def register(cls, module: nn.Module, hook: Callable[..., Any]) -> TorchHook:
+        """Register ``hook`` (a pre-hook taking kwargs) and return the change."""
+        handle = module.register_forward_pre_hook(hook, with_kwargs=True)
+        return cls(module, handle.id, hook)
 
     def undo(self) -> None:
         self.module._forward_pre_hooks.pop(self.hook_id, None)
         self.module._forward_pre_hooks_with_kwargs.pop(self.hook_id, None)
+
+    def redo(self) -> None:
+        if self.hook is not None and self.hook_id not in self.module._forward_pre_hooks:
+            handle = self.module.register_forward_pre_hook(self.hook, with_kwargs=True)
+            self.hook_id = handle.id
 
 
 @dataclass
@@ -134,6 +172,7 @@ class ForwardSwap:
     module: nn.Module
     patched: Callable[..., Any]
     original: Callable[..., Any] | None  # None: the class's forward (nothing on the instance)
+    undone: list[tuple[Any, str]] = field(default_factory=list)
 
     def undo(self) -> None:
         # Hooks registered after the patch captured the patched forward: every slot that
@@ -141,15 +180,22 @@ class ForwardSwap:
         original = self.original
         if original is None:
             original = types.MethodType(type(self.module).forward, self.module)
+        self.undone = []
         for holder, attr in _forward_slots(self.module):
             if getattr(holder, attr, None) is self.patched:
+                self.undone.append((holder, attr))
                 if holder is self.module and attr == "forward" and self.original is None:
                     vars(self.module).pop("forward", None)
                 else:
                     setattr(holder, attr, original)
 
+    def redo(self) -> None:
+        for holder, attr in self.undone:
+            setattr(holder, attr, self.patched)
+        self.undone = []
 
-Change = ModuleSwap | AttrSet | TorchHook | ForwardSwap
+
+Change = ClassSwap | AttrSet | TorchHook | ForwardSwap
 
 
 @dataclass
@@ -160,6 +206,10 @@ class PatchRecord:
     family: str
     changes: list[Change] = field(default_factory=list)
     summary: dict[str, int] = field(default_factory=dict)
+    #: Fused forwards by place (``"blocks.3"``): the module and what it bypasses.
+    targets: dict[str, tuple[nn.Module, Any]] = field(default_factory=dict)
+    #: Places that ran unfused when patched, with the reason.
+    unfused: dict[str, str] = field(default_factory=dict)
 
     def add(self, change: Change) -> None:
         self.changes.append(change)
@@ -168,9 +218,14 @@ class PatchRecord:
         self.summary[what] = self.summary.get(what, 0) + n
 
     def undo(self) -> None:
+        """Undo every change, newest first (they stay listed, for :meth:`redo`)."""
         for change in reversed(self.changes):
             change.undo()
-        self.changes.clear()
+
+    def redo(self) -> None:
+        """Make an undone patch as it was again (a refused re-patch)."""
+        for change in self.changes:
+            change.redo()
 
 
 # --- replacing a forward under whatever wraps it --------------------------------------------
@@ -228,6 +283,131 @@ def replace_forward(module: nn.Module, patched: Callable[..., Any], record: Patc
     record.add(ForwardSwap(module, patched, original))
 
 
+# --- what others attached: run through it, or run unfused -------------------------------------
+
+
+def ditops_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``fn`` as a forward ditops installs (as ``functools.partial(fn, module, ...)``),
+    so that :func:`attached_to` does not count it as somebody else's replacement."""
+    fn._ditops_forward = True  # type: ignore[attr-defined]
+    return fn
+
+
+def attached_to(module: nn.Module) -> str | None:
+    """What others attached to ``module`` that a fused forward would bypass, in words
+    (the first thing found), or None: torch forward (pre-)hooks, diffusers hooks
+    (``HookRegistry``: caching, group offloading, ...), accelerate hooks (sequential and
+    model offload) or a forward replaced on the instance."""
+    if module._forward_pre_hooks or module._forward_hooks:
+        return "a torch forward hook"
+    registry = getattr(module, "_diffusers_hook", None)
+    if registry is not None and getattr(registry, "hooks", None):
+        return f"diffusers hooks ({', '.join(registry.hooks)})"
+    hf_hook = getattr(module, "_hf_hook", None)
+    if hf_hook is not None:
+        return f"an accelerate hook ({type(hf_hook).__name__})"
+    forward = module.__dict__.get("forward")
+    if forward is not None and not getattr(getattr(forward, "func", None), "_ditops_forward", 0):
+        return "a forward replaced on the instance"
+    return None
+
+
+def _global_hooks() -> bool:
+    from torch.nn.modules import module as torch_module
+
+    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+
+
+@dataclass(frozen=True)
+class Bypass:
+    """The submodules a fused forward computes without calling them, each with the class
+    it must still have (the one it had when patched).
+
+    :meth:`problem` is asked on every call, so hooks, offloading and modules set after the
+    patch are seen when they arrive: a few dict lookups per bypassed module. Under
+    ``torch.compile`` the answer is a guard (a change recompiles).
+    """
+
+    paths: tuple[tuple[str, type], ...]
+
+    @classmethod
+    def of(cls, root: nn.Module, names: tuple[str, ...]) -> Bypass:
+        return cls(tuple((name, type(_submodule(root, name))) for name in names))
+
+    def problem(self, root: nn.Module) -> str | None:
+        """Why the fused forward must not run now (the first reason found), or None."""
+        for name, cls in self.paths:
+            module = _submodule(root, name)
+            if type(module) is not cls:
+                return f"{name} is a {type(module).__name__}, not the {cls.__name__} patched"
+            what = attached_to(module)
+            if what is not None:
+                return f"{name} has {what}"
+        if _global_hooks():
+            return "global module forward hooks are registered"
+        return None
+
+
+def _submodule(root: nn.Module, name: str) -> Any:
+    module: Any = root
+    for part in name.split("."):
+        module = getattr(module, part, None)
+    return module
+
+
+@ditops_forward
+def guarded_forward(
+    module: nn.Module,
+    bypass: Bypass,
+    fused: Callable[..., Any],
+    ops: Any,
+    *args: Any,
+    **kwargs: Any,
+) -> Any:
+    """``fused(module, ops, ...)`` when nothing attached to a module it bypasses, else the
+    module's own (diffusers') forward, which calls every submodule through its hooks.
+
+    Installed as ``functools.partial(guarded_forward, module, bypass, fused, ops)``.
+    """
+    reason = bypass.problem(module)
+    if reason is None:
+        return fused(module, ops, *args, **kwargs)
+    if not torch.compiler.is_compiling():
+        note_unfused(module, reason)
+    return type(module).forward(module, *args, **kwargs)
+
+
+def note_unfused(module: nn.Module, reason: str) -> None:
+    """Say once per module and reason (INFO, ``ditops`` logger) that it ran unfused."""
+    said = module.__dict__.setdefault("_ditops_unfused", {})
+    if reason not in said:
+        said[reason] = True
+        logger.info("ditops: %s runs unfused: %s", type(module).__name__, reason)
+
+
+def install_guarded(
+    module: nn.Module,
+    fused: Callable[..., Any],
+    ops: Any,
+    bypassed: tuple[str, ...],
+    record: PatchRecord,
+    where: str,
+    kind: str = "blocks",
+) -> None:
+    """Make ``module`` (at ``where`` in the model) run ``fused`` through
+    :func:`guarded_forward`, under its hooks, and count it as ``"fused <kind>"`` or
+    ``"unfused <kind>"`` as things stand (the reason in ``record.unfused``)."""
+    bypass = Bypass.of(module, bypassed)
+    replace_forward(module, functools.partial(guarded_forward, module, bypass, fused, ops), record)
+    record.targets[where] = (module, bypass)
+    reason = bypass.problem(module)
+    if reason is None:
+        record.count(f"fused {kind}")
+    else:
+        record.count(f"unfused {kind}")
+        record.unfused[where] = reason
+
+
 # --- model families ---------------------------------------------------------------------------
 
 
@@ -271,6 +451,21 @@ class WrappingProcessor:
     @_attention_backend.setter
     def _attention_backend(self, value: Any) -> None:
         self.original._attention_backend = value
+
+
+def register_like(ours: type, theirs: type) -> None:
+    """Tell diffusers' ``AttentionProcessorRegistry`` (what LayerSkip and other hooks look
+    processors up in) that ``ours`` behaves as ``theirs`` (the processor it wraps) does,
+    where diffusers registers ``theirs``; where it does not, both are refused alike."""
+    try:
+        from diffusers.hooks._helpers import AttentionProcessorRegistry
+    except ImportError:  # an older diffusers without the registry: nothing looks there
+        return
+    try:
+        metadata = AttentionProcessorRegistry.get(theirs)
+    except ValueError:
+        return
+    AttentionProcessorRegistry.register(ours, metadata)
 
 
 class ModelFamily(Protocol):

@@ -42,7 +42,6 @@ accelerate hooks are patched under the hooks.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -52,14 +51,17 @@ from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
+    Bypass,
     PatchError,
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
+    ditops_forward,
     fingerprint,
     forward_wrapper_problem,
+    install_guarded,
     refuse,
-    replace_forward,
+    register_like,
 )
 
 _DIFFUSERS_042 = "diffusers 0.42"
@@ -98,6 +100,20 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     }  # fmt: skip
 
 
+#: What each fused forward computes without calling it (see :class:`~.base.Bypass`).
+DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
+                   "norm2_context")  # fmt: skip
+SINGLE_BYPASSES = ("norm", "norm.norm")
+NORM_OUT_BYPASSES = ("norm",)
+
+
+def _prologue_bypass(attn: nn.Module) -> Bypass:
+    names = ["norm_q", "norm_k"]
+    if getattr(attn, "added_kv_proj_dim", None) is not None:
+        names += ["norm_added_q", "norm_added_k"]
+    return Bypass(tuple((name, nn.RMSNorm) for name in names))
+
+
 # --- the ops of one patched model ------------------------------------------------------------
 
 
@@ -128,6 +144,7 @@ def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Te
     return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
 
 
+@ditops_forward
 def double_block_forward(
     block: nn.Module,
     ops: _FluxOps,
@@ -139,8 +156,8 @@ def double_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``FluxTransformerBlock.forward`` on ditops' ops (see the module docstring).
 
-    Installed as ``functools.partial(double_block_forward, block, ops)``: a deep copy of
-    the block gets a partial bound to the copy and its own ops.
+    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
+    while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
     """
     shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
     c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
@@ -183,6 +200,7 @@ def double_block_forward(
     return _clip_fp16(encoder_hidden_states), hidden_states
 
 
+@ditops_forward
 def single_block_forward(
     block: nn.Module,
     ops: _FluxOps,
@@ -206,6 +224,7 @@ def single_block_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
+@ditops_forward
 def norm_out_forward(
     norm: nn.Module, ops: _FluxOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
 ) -> torch.Tensor:
@@ -226,9 +245,13 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
     """
 
-    def __init__(self, original: Any, ops: _FluxOps) -> None:
+    def __init__(self, original: Any | None = None, ops: _FluxOps | None = None) -> None:
+        if original is None:  # built as diffusers' loaders build processors: type(p)()
+            from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+            original = FluxAttnProcessor()
         super().__init__(original)
-        self.ops = ops
+        self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
 
     def __call__(
         self,
@@ -238,8 +261,14 @@ class FusedFluxAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
-        if image_rotary_emb is None or image_rotary_emb[0].dim() != 2:
-            # No rotation, or tables other than FluxPosEmbed's [L, D]: FLUX's own code.
+        if (
+            self.ops is None
+            or image_rotary_emb is None
+            or image_rotary_emb[0].dim() != 2
+            or _prologue_bypass(attn).problem(attn) is not None
+        ):
+            # No ops, no rotation, tables other than FluxPosEmbed's [L, D], or q/k norms
+            # hooked or replaced since the patch: FLUX's own code (it calls the norms).
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
@@ -303,6 +332,8 @@ class FluxPlan:
     attentions: list[nn.Module] = field(default_factory=list)  # processors to fuse
     kept: list[str] = field(default_factory=list)  # processors left as they are
     norm_out: nn.Module | None = None
+    #: "transformer_blocks.3" -> why that forward runs diffusers' own (not fused).
+    unfused: dict[str, str] = field(default_factory=dict)
 
 
 def _is_plain_layer_norm(m: object) -> bool:
@@ -331,6 +362,26 @@ def _qk_norm_problems(attn: nn.Module, where: str) -> list[str]:
         if (qw is None) != (kw is None) or (qw is not None and qw.dtype != kw.dtype):
             problems.append(f"{where}.{qn} and {kn} differ in weight (one None, or dtypes)")
     return problems
+
+
+def _double_norm_problem(block: nn.Module) -> str | None:
+    """Why a double-stream block's norms are not what the fused forward computes (a norm
+    of the user's, or of another kind), or None: such a block runs diffusers' forward."""
+    from diffusers.models import normalization
+
+    for name in ("norm1", "norm1_context"):
+        norm = getattr(block, name, None)
+        if (
+            type(norm) is not normalization.AdaLayerNormZero
+            or norm.emb is not None
+            or not _is_plain_layer_norm(norm.norm)
+        ):
+            return f"{name} is not an AdaLayerNormZero over a LayerNorm without affine"
+    for name in ("norm2", "norm2_context"):
+        norm = getattr(block, name, None)
+        if not _is_plain_layer_norm(norm):
+            return f"{name} is a {type(norm).__name__}, not a LayerNorm without affine parameters"
+    return None
 
 
 def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
@@ -372,22 +423,9 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
         if type(block) is not tf.FluxTransformerBlock:
             problems.append(f"{where} is a {type(block).__name__}, not FluxTransformerBlock")
             continue
-        wrapped = forward_wrapper_problem(block, where)
-        if wrapped:
-            problems.append(wrapped)
-        for name in ("norm1", "norm1_context"):
-            norm = getattr(block, name, None)
-            if (
-                type(norm) is not normalization.AdaLayerNormZero
-                or norm.emb is not None
-                or not _is_plain_layer_norm(norm.norm)
-            ):
-                problems.append(
-                    f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
-                )
-        for name in ("norm2", "norm2_context"):
-            if not _is_plain_layer_norm(getattr(block, name, None)):
-                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+        unfused = forward_wrapper_problem(block, where) or _double_norm_problem(block)
+        if unfused:
+            plan.unfused[f"transformer_blocks.{i}"] = unfused
         check_attention(block, where)
         plan.double.append(block)
     for i, block in enumerate(getattr(model, "single_transformer_blocks", [])):
@@ -395,16 +433,14 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
         if type(block) is not tf.FluxSingleTransformerBlock:
             problems.append(f"{where} is a {type(block).__name__}, not FluxSingleTransformerBlock")
             continue
-        wrapped = forward_wrapper_problem(block, where)
-        if wrapped:
-            problems.append(wrapped)
         norm = getattr(block, "norm", None)
+        unfused = forward_wrapper_problem(block, where)
         if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
             norm.norm
         ):
-            problems.append(
-                f"{where}.norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
-            )
+            unfused = "norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
+        if unfused:
+            plan.unfused[f"single_transformer_blocks.{i}"] = unfused
         check_attention(block, where)
         plan.single.append(block)
     norm_out = getattr(model, "norm_out", None)
@@ -415,7 +451,7 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
     else:
         wrapped = forward_wrapper_problem(norm_out, "norm_out")
         if wrapped:
-            problems.append(wrapped)
+            plan.unfused["norm_out"] = wrapped
         plan.norm_out = norm_out
     refuse(model, problems)
     return plan
@@ -442,18 +478,32 @@ class FluxFamily:
         if not options.norms:
             return
         ops = _FluxOps(options.precision)
-        for block in plan.double:
-            replace_forward(block, functools.partial(double_block_forward, block, ops), record)
-        for block in plan.single:
-            replace_forward(block, functools.partial(single_block_forward, block, ops), record)
-        record.count("fused blocks", len(plan.double) + len(plan.single))
+        kinds = (
+            ("transformer_blocks", plan.double, double_block_forward, DOUBLE_BYPASSES),
+            ("single_transformer_blocks", plan.single, single_block_forward, SINGLE_BYPASSES),
+        )
+        for prefix, blocks, fused, bypassed in kinds:
+            for i, block in enumerate(blocks):
+                where = f"{prefix}.{i}"
+                if where in plan.unfused:
+                    record.count("unfused blocks")
+                    record.unfused[where] = plan.unfused[where]
+                else:
+                    install_guarded(block, fused, ops, bypassed, record, where)
+        from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
+
+        register_like(FusedFluxAttnProcessor, FluxAttnProcessor)
         for attn in plan.attentions:
             processor = FusedFluxAttnProcessor(attn.processor, ops)
             record.add(AttrSet.apply(attn, "processor", processor))
         record.count("fused attention prologues", len(plan.attentions))
         if plan.kept:
             record.count("attention processors kept", len(plan.kept))
-        if plan.norm_out is not None:
+        if plan.norm_out is not None and "norm_out" in plan.unfused:
+            record.count("unfused output norm")
+            record.unfused["norm_out"] = plan.unfused["norm_out"]
+        elif plan.norm_out is not None:
             norm = plan.norm_out
-            replace_forward(norm, functools.partial(norm_out_forward, norm, ops), record)
-            record.count("fused output norm")
+            install_guarded(
+                norm, norm_out_forward, ops, NORM_OUT_BYPASSES, record, "norm_out", "output norm"
+            )

@@ -2,20 +2,36 @@
 deeper patch for (FLUX, HunyuanVideo, ... today).
 
 ``FP32LayerNorm`` modules (diffusers' or any ``nn.LayerNorm`` subclass named so) become
-ditops' :class:`~ditops.layers.norm.FP32LayerNorm`, sharing their parameters. Plain
-``nn.LayerNorm`` modules, which compute in the model dtype, are swapped only in ``fast``
-precision, where fp32 inside stays within tolerance; in ``exact`` they stay (ditops'
-meaning is not theirs bit for bit).
+ditops' :class:`~ditops.layers.norm.FP32LayerNorm` in place (see :func:`swap_norms`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
+import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.base import ModuleSwap, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.base import (
+    ClassSwap,
+    PatchError,
+    PatchOptions,
+    PatchRecord,
+    attached_to,
+)
 from ditops.layers.norm import FP32LayerNorm
+
+
+class ModelDtypeLayerNorm(FP32LayerNorm):
+    """A plain ``nn.LayerNorm`` patched with ``precision=None``: its own arithmetic (the
+    model dtype) whenever the precision in force (``DITOPS_PRECISION``, ``configure``,
+    ``override``) is exact, FP32LayerNorm's in fast, decided per call."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.resolved_precision() == "exact":
+            return F.layer_norm(x, self.normalized_shape, self.weight, self.bias, self.eps)
+        return super().forward(x)
 
 
 def _is_fp32_layer_norm(m: nn.Module) -> bool:
@@ -23,18 +39,35 @@ def _is_fp32_layer_norm(m: nn.Module) -> bool:
 
 
 def swap_norms(model: nn.Module, record: PatchRecord, precision: str | None) -> None:
-    """Replace FP32LayerNorm (and, in fast precision, nn.LayerNorm) modules by ditops'."""
-    plain_too = (precision or "fast") == "fast"
-    for parent in list(model.modules()):
-        for name, child in list(parent.named_children()):
-            if isinstance(child, FP32LayerNorm):
-                continue
-            if _is_fp32_layer_norm(child) or (plain_too and type(child) is nn.LayerNorm):
-                new = FP32LayerNorm.from_module(child)  # type: ignore[arg-type]
-                new.precision = precision
-                setattr(parent, name, new)
-                record.add(ModuleSwap(parent, name, child))
-                record.count("norms")
+    """Make FP32LayerNorm modules (and plain nn.LayerNorms, but in exact precision) ditops'
+    norms, in place: each keeps its identity, parameters and hooks; its class changes.
+
+    Plain ``nn.LayerNorm`` computes in the model dtype: in ``fast`` it becomes an
+    FP32LayerNorm (fp32 inside, within tolerance), with ``precision=None`` a
+    :class:`ModelDtypeLayerNorm` (its own arithmetic whenever exact is in force), in
+    ``exact`` it stays. A norm whose forward diffusers or accelerate hooks wrap (offloading,
+    caching) stays as it is: those wrappers hold its class's forward, so ditops' would not
+    run under them.
+    """
+    for module in model.modules():
+        if isinstance(module, FP32LayerNorm):
+            continue
+        if _is_fp32_layer_norm(module):
+            new: type | None = FP32LayerNorm
+        elif type(module) is nn.LayerNorm:
+            new = {"fast": FP32LayerNorm, None: ModelDtypeLayerNorm}.get(precision)
+        else:
+            new = None
+        if new is None:
+            continue
+        what = attached_to(module)
+        if what is not None and "torch forward hook" not in what:
+            record.count("norms kept (hooked)")
+            continue
+        change = ClassSwap(module, type(module), new, precision)
+        change.redo()
+        record.add(change)
+        record.count("norms")
 
 
 class GenericFamily:

@@ -14,7 +14,7 @@ force, options left out keep their value, so ``patch(m, precision="exact")`` the
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import nn
@@ -43,25 +43,45 @@ UNSET: Any = _Unset()
 
 @dataclass
 class PatchReport:
-    """What :func:`patch` changed, per patched model (by attribute name in a pipeline)."""
+    """What :func:`patch` changed, per patched model (by attribute name in a pipeline), and
+    which places run unfused, with the reason (``unfused[model][place]``)."""
 
     models: dict[str, dict[str, int]]
+    unfused: dict[str, dict[str, str]] = field(default_factory=dict)
 
     def __str__(self) -> str:
         parts = []
         for name, summary in self.models.items():
             what = ", ".join(f"{n} {k}" for k, n in sorted(summary.items())) or "nothing"
+            why = self.unfused.get(name)
+            if why:
+                shown = "; ".join(f"{place}: {reason}" for place, reason in list(why.items())[:3])
+                more = f"; and {len(why) - 3} more" if len(why) > 3 else ""
+                what += f" (unfused: {shown}{more})"
             parts.append(f"{name}: {what}")
         return "; ".join(parts)
 
 
+def unwrap_compiled(module: nn.Module) -> nn.Module:
+    """The model a ``torch.compile`` wrapper (``OptimizedModule``) holds, else ``module``.
+
+    Patching the wrapped model in place is what the wrapper then runs: dynamo guards on
+    the forwards and processors it traced, so the next call retraces the patched model.
+    """
+    inner = getattr(module, "_orig_mod", None)
+    if type(module).__name__ == "OptimizedModule" and isinstance(inner, nn.Module):
+        return inner
+    return module
+
+
 def _models_of(target: Any) -> dict[str, nn.Module]:
     if isinstance(target, nn.Module):
-        return {type(target).__name__: target}
+        model = unwrap_compiled(target)
+        return {type(model).__name__: model}
     components = getattr(target, "components", None)
     if isinstance(components, dict):
         found = {
-            name: m
+            name: unwrap_compiled(m)
             for name, m in components.items()
             if isinstance(m, nn.Module) and name.startswith("transformer")
         }
@@ -88,7 +108,8 @@ def patch(
     """Patch a diffusers model, or every transformer of a pipeline, in place.
 
     Args:
-        target: a model (``nn.Module``) or a pipeline (its ``transformer*`` components).
+        target: a model (``nn.Module``, or ``torch.compile``'s wrapper of one) or a
+            pipeline (its ``transformer*`` components).
         norms: swap norms and, on Wan and FLUX, fuse each block's modulation chain (and
             FLUX's attention prologue) (default True).
         attention: ``None`` (dense attention as it is; the default) or a
@@ -97,8 +118,10 @@ def patch(
             call; the default).
 
     Options left out keep the value of an earlier patch of the same model (see the
-    module docstring). Bad options raise :class:`PatchError` before anything changes.
-    Returns what changed (also logged at INFO on the ``ditops`` logger).
+    module docstring). All or nothing: every model of a pipeline and every option is
+    checked before anything changes, and a refusal (:class:`PatchError`) leaves every
+    model as it was (a patched one stays patched, with its options). Returns what
+    changed (also logged at INFO on the ``ditops`` logger).
     """
     given = {
         k: v
@@ -106,36 +129,71 @@ def patch(
         if v is not UNSET
     }
     PatchOptions(**given)  # validate before looking at the target
+    models = _models_of(target)
     report: dict[str, dict[str, int]] = {}
-    for name, model in _models_of(target).items():
-        existing: PatchRecord | None = getattr(model, "_ditops_patch", None)
-        options = replace(existing.options, **given) if existing else PatchOptions(**given)
-        if existing is not None:
-            if existing.options == options:
-                report[name] = dict(existing.summary)
-                continue
-            unpatch(model)
-        report[name] = _patch_model(model, options)
-    result = PatchReport(report)
+    unfused: dict[str, dict[str, str]] = {}
+    todo: list[tuple[str, nn.Module, ModelFamily, Any, PatchOptions]] = []
+    undone: list[PatchRecord] = []  # earlier patches taken off to check the new options
+    try:
+        for name, model in models.items():
+            existing: PatchRecord | None = vars(model).get("_ditops_patch")
+            options = replace(existing.options, **given) if existing else PatchOptions(**given)
+            if existing is not None:
+                if existing.options == options:
+                    report[name], unfused[name] = dict(existing.summary), dict(existing.unfused)
+                    continue
+                existing.undo()
+                undone.append(existing)
+            family = family_of(model)
+            todo.append((name, model, family, family.check(model, options), options))
+        done: list[tuple[nn.Module, PatchRecord]] = []
+        try:
+            for name, model, family, plan, options in todo:
+                record = PatchRecord(options, family.name)
+                done.append((model, record))
+                family.apply(model, plan, record, options)
+                report[name], unfused[name] = dict(record.summary), dict(record.unfused)
+        except BaseException:
+            for _, record in reversed(done):
+                record.undo()
+            raise
+    except BaseException:
+        for record in undone:
+            record.redo()
+        raise
+    for model, record in done:
+        model._ditops_patch = record  # type: ignore[assignment]
+    result = PatchReport(report, {k: v for k, v in unfused.items() if v})
     logger.info("ditops.patch: %s", result)
     return result
 
 
-def _patch_model(model: nn.Module, options: PatchOptions) -> dict[str, int]:
-    family = family_of(model)
-    plan = family.check(model, options)  # raises before any change
-    record = PatchRecord(options, family.name)
-    try:
-        family.apply(model, plan, record, options)
-    except BaseException:
-        record.undo()
-        raise
-    model._ditops_patch = record  # type: ignore[assignment]
-    return dict(record.summary)
+def explain_patch(target: Any) -> dict[str, dict[str, str]]:
+    """Where each patched model runs fused now, and where not and why.
+
+    Asked now, not when patched: hooks, offloading and modules set since count. Returns
+    ``{model: {place: "fused" | reason}}`` (places as in ``named_modules``).
+    """
+    out: dict[str, dict[str, str]] = {}
+    for name, model in _models_of(target).items():
+        record: PatchRecord | None = vars(model).get("_ditops_patch")
+        if record is None:
+            out[name] = {}
+            continue
+        places = {place: why for place, why in record.unfused.items()}
+        for place, (module, bypass) in record.targets.items():
+            places[place] = bypass.problem(module) or "fused"
+        out[name] = dict(sorted(places.items()))
+    return out
 
 
 def unpatch(target: Any) -> None:
-    """Undo :func:`patch`: the original modules and methods come back (a no-op if unpatched)."""
+    """Undo :func:`patch`: the model comes back as it is now, less ditops' changes.
+
+    The norms ditops made its own get their class back (their current parameters, hooks
+    and offloading stay theirs); processors and modules set by anyone since the patch stay
+    as they were set. A no-op on an unpatched model.
+    """
     for model in _models_of(target).values():
         record: PatchRecord | None = vars(model).get("_ditops_patch")
         if record is None:

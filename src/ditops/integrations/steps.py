@@ -19,8 +19,8 @@ or call :func:`set_step`. With no step known, the schedule treats the call as de
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -29,24 +29,56 @@ from torch import nn
 from ditops.integrations.base import AttrSet, PatchRecord, TorchHook
 
 
-@dataclass
+class _PerThread:
+    """An attribute whose value is the calling thread's own (``None`` until it sets one)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, obj: Any, owner: type | None = None) -> Any:
+        return self if obj is None else getattr(obj._local, self.name, None)
+
+    def __set__(self, obj: Any, value: Any) -> None:
+        setattr(obj._local, self.name, value)
+
+
 class StepState:
     """What the attention processors need to know about the call in progress.
 
     ``step``/``branch``: the denoising step and the cache context's name ("cond",
-    "uncond") of the call in progress (``None``: unknown); ``manual``: a step set with
-    :func:`set_step`, which wins; ``latent_shape``: the shape of the latent video entering
-    the model; ``patch_size``: the model's patch size.
+    "uncond") of the call in progress (``None``: unknown); ``latent_shape``: the shape of
+    the latent video entering the model. These three are the calling thread's own: threads
+    that share one patched model each run their own denoising loop, and a thread at step 0
+    must not run sparse because another is at step 20. ``manual``: a step set with
+    :func:`set_step`, which wins, for every thread; ``patch_size``: the model's patch size.
+
+    A deep copy or a pickle carries ``manual`` and ``patch_size`` only (no call is in
+    progress in a copy).
     """
 
-    step: int | None = None
-    branch: str | None = None
-    manual: int | None = None
-    latent_shape: tuple[int, ...] | None = None
-    patch_size: tuple[int, ...] = (1, 2, 2)
+    def __init__(self, patch_size: tuple[int, ...] = (1, 2, 2)) -> None:
+        self.manual: int | None = None
+        self.patch_size = patch_size
+        self._local = threading.local()
+
+    step = _PerThread()
+    branch = _PerThread()
+    latent_shape = _PerThread()
 
     def current(self) -> int | None:
         return self.manual if self.manual is not None else self.step
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {"manual": self.manual, "patch_size": self.patch_size}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["patch_size"])  # type: ignore[misc]
+        self.manual = state["manual"]
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StepState:
+        twin = StepState(self.patch_size)
+        twin.manual = self.manual
+        return twin
 
 
 class StepTrackingCacheContext:
@@ -99,8 +131,7 @@ def track_steps(model: nn.Module, state: StepState, record: PatchRecord) -> None
         return  # not a diffusers CacheMixin: steps come from set_step only
     inner = vars(model).get("cache_context")
     record.add(AttrSet.apply(model, "cache_context", StepTrackingCacheContext(model, state, inner)))
-    handle = model.register_forward_pre_hook(LatentShapeRecorder(state), with_kwargs=True)
-    record.add(TorchHook(model, handle.id))
+    record.add(TorchHook.register(model, LatentShapeRecorder(state)))
     record.add(AttrSet.apply(model, "_ditops_steps", state))
 
 

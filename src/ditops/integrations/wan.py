@@ -30,9 +30,8 @@ accelerate hooks (caching, offloading, context parallelism) are patched under th
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -40,13 +39,16 @@ from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
+    Bypass,
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
+    ditops_forward,
     fingerprint,
     forward_wrapper_problem,
+    install_guarded,
     refuse,
-    replace_forward,
+    register_like,
 )
 from ditops.integrations.norms import swap_norms
 from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
@@ -59,7 +61,13 @@ KNOWN_ATTN_PROCESSOR = {"860a708317404b68": "diffusers 0.42"}
 
 @dataclass
 class WanPlan:
-    blocks: list[nn.Module]
+    blocks: list[nn.Module]  # the blocks whose self-attention processor is ditops'
+    #: blocks[i] -> why its forward cannot be fused (it runs diffusers' forward).
+    unfused: dict[int, str] = field(default_factory=dict)
+
+
+#: What the fused block computes without calling it (see :class:`~.base.Bypass`).
+BLOCK_BYPASSES = ("norm1", "norm2", "norm3")
 
 
 def _iter_blocks(model: nn.Module) -> Iterator[tuple[int, nn.Module]]:
@@ -88,7 +96,7 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
                 f"WanAttnProcessor of diffusers {version} (fingerprint {fp_attn}) differs from "
                 f"the versions ditops knows ({', '.join(KNOWN_ATTN_PROCESSOR.values())})"
             )
-    blocks = []
+    plan = WanPlan([])
     for i, block in _iter_blocks(model):
         where = f"blocks[{i}]"
         if type(block) is not block_cls:
@@ -97,18 +105,9 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
             )
             continue
         if norms:
-            wrapped = forward_wrapper_problem(block, where)
-            if wrapped:
-                problems.append(wrapped)
-        for name in ("norm1", "norm3"):
-            norm = getattr(block, name, None)
-            if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
-                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
-        norm2 = getattr(block, "norm2", None)
-        if not isinstance(norm2, (nn.LayerNorm, nn.Identity)):
-            problems.append(
-                f"{where}.norm2 is a {type(norm2).__name__}, not a LayerNorm or Identity"
-            )
+            unfused = forward_wrapper_problem(block, where) or _norm_problem(block)
+            if unfused:
+                plan.unfused[i] = unfused
         table = getattr(block, "scale_shift_table", None)
         if not isinstance(table, torch.Tensor) or table.dim() != 3 or table.shape[1] != 6:
             problems.append(f"{where}.scale_shift_table is not a [1, 6, C] tensor")
@@ -120,9 +119,22 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
                 )
         if norms:
             problems += _prologue_problems(block.attn1, f"{where}.attn1")
-        blocks.append(block)
+        plan.blocks.append(block)
     refuse(model, problems)
-    return WanPlan(blocks)
+    return plan
+
+
+def _norm_problem(block: nn.Module) -> str | None:
+    """Why the fused forward cannot stand in for this block's norms (a norm of the user's,
+    or of another kind), or None: such a block runs diffusers' forward."""
+    for name in ("norm1", "norm3"):
+        norm = getattr(block, name, None)
+        if not isinstance(norm, nn.LayerNorm) or norm.elementwise_affine:
+            return f"{name} is a {type(norm).__name__}, not a LayerNorm without affine parameters"
+    norm2 = getattr(block, "norm2", None)
+    if not isinstance(norm2, (nn.LayerNorm, nn.Identity)):
+        return f"norm2 is a {type(norm2).__name__}, not a LayerNorm or Identity"
+    return None
 
 
 def _prologue_problems(attn: nn.Module, where: str) -> list[str]:
@@ -162,6 +174,7 @@ def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ..
     return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
 
 
+@ditops_forward
 def fused_block_forward(
     block: nn.Module,
     ops: _ModulationOps,
@@ -172,8 +185,8 @@ def fused_block_forward(
 ) -> torch.Tensor:
     """``WanTransformerBlock.forward`` on the fused ops (see the module docstring).
 
-    Installed as ``functools.partial(fused_block_forward, block, ops)``: a deep copy of the
-    block gets a partial bound to the copy and its own ops.
+    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
+    while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
     """
     norm2 = block.norm2
     shift, scale, gate, c_shift, c_scale, c_gate = _modulations(block, temb)
@@ -202,6 +215,10 @@ def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torc
     return out.type_as(x)
 
 
+#: The q/k norms the fused prologue computes without calling them.
+PROLOGUE_BYPASS = Bypass((("norm_q", nn.RMSNorm), ("norm_k", nn.RMSNorm)))
+
+
 class WanSelfAttnProcessor(WrappingProcessor):
     """Wan self-attention (``attn1``) with ditops' prologue and optional block sparsity.
 
@@ -226,13 +243,17 @@ class WanSelfAttnProcessor(WrappingProcessor):
 
     def __init__(
         self,
-        original: Any,
+        original: Any | None = None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
         prologue: Any | None = None,
     ) -> None:
         if sparse is not None and steps is None:
             raise ValueError("WanSelfAttnProcessor: sparse attention needs the step state")
+        if original is None:  # built as diffusers' loaders build processors: type(p)()
+            from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+            original = WanAttnProcessor()
         super().__init__(original)
         self.steps = steps
         self.sparse = sparse
@@ -259,11 +280,16 @@ class WanSelfAttnProcessor(WrappingProcessor):
         dense = self._dense_now()
         # ditops' exchange runs dense steps too when sparse steps run under Ring.
         ours = not dense or (self.sparse is not None and cp is not None and cp.ring_degree > 1)
+        prologue = (
+            self.prologue is not None
+            and rotary_emb is not None
+            and PROLOGUE_BYPASS.problem(attn) is None  # hooked or replaced norms: called
+        )
         if (
             encoder_hidden_states is not None
             or attention_mask is not None
             or getattr(attn, "add_k_proj", None) is not None
-            or (not ours and (self.prologue is None or rotary_emb is None))
+            or (not ours and not prologue)
         ):
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
@@ -271,7 +297,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
         from diffusers.models.transformers.transformer_wan import _get_qkv_projections
 
         query, key, value = _get_qkv_projections(attn, hidden_states, None)
-        query, key = self._norm_rope(attn, query, key, rotary_emb)
+        query, key = self._norm_rope(attn, query, key, rotary_emb, prologue)
         value = value.unflatten(2, (attn.heads, -1))
         if not ours:  # dense, as WanAttnProcessor calls it (diffusers' exchange, if any)
             from diffusers.models.attention_dispatch import dispatch_attention_fn
@@ -302,10 +328,13 @@ class WanSelfAttnProcessor(WrappingProcessor):
         query: torch.Tensor,
         key: torch.Tensor,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+        prologue: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm_q``/``norm_k`` (across heads), split into heads, rotary embedding."""
+        """``norm_q``/``norm_k`` (across heads), split into heads, rotary embedding: the
+        fused op when ``prologue``, else the norms called as modules (their hooks run)."""
         heads = attn.heads
-        if self.prologue is not None and rotary_emb is not None:
+        if prologue:
+            assert self.prologue is not None and rotary_emb is not None
             cos, sin = rotary_emb
             return self.prologue(
                 query.unflatten(2, (heads, -1)),
@@ -327,11 +356,22 @@ class WanSelfAttnProcessor(WrappingProcessor):
     def _sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Estimate + block-sparse attention over the whole sequence ([B, S, N, D])."""
         assert self.sparse is not None and self.steps is not None
+        from ditops.attention.schedule import first_frame_dense_blocks
+
         shape = self.steps.latent_shape  # the whole video: recorded before any split
+        dense = None  # passed per call, not set on the layer: threads share it
         if shape is not None:
-            self.sparse.set_video_shape(shape, self.steps.patch_size)
+            dense = first_frame_dense_blocks(
+                shape, self.steps.patch_size, self.sparse.config.block_size
+            )
         return self.sparse(
-            q, k, v, layout="BSND", step=self.steps.current(), branch=self.steps.branch
+            q,
+            k,
+            v,
+            layout="BSND",
+            step=self.steps.current(),
+            branch=self.steps.branch,
+            dense_blocks=dense,
         )
 
     def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -362,9 +402,14 @@ class WanFamily:
         if options.norms:
             swap_norms(model, record, options.precision)
             ops = _ModulationOps(options.precision)
-            for block in plan.blocks:
-                replace_forward(block, functools.partial(fused_block_forward, block, ops), record)
-                record.count("fused blocks")
+            for i, block in enumerate(plan.blocks):
+                if i in plan.unfused:
+                    record.count("unfused blocks")
+                    record.unfused[f"blocks.{i}"] = plan.unfused[i]
+                    continue
+                install_guarded(
+                    block, fused_block_forward, ops, BLOCK_BYPASSES, record, f"blocks.{i}"
+                )
         if options.norms or options.attention is not None:
             self._attention(model, plan, record, options)
 
@@ -377,6 +422,9 @@ class WanFamily:
             steps = StepState()
             steps.patch_size = tuple(model.config.patch_size)  # type: ignore[attr-defined]
             track_steps(model, steps, record)
+        from diffusers.models.transformers.transformer_wan import WanAttnProcessor
+
+        register_like(WanSelfAttnProcessor, WanAttnProcessor)
         for block in plan.blocks:
             sparse = prologue = None
             if options.attention is not None:

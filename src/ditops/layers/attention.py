@@ -46,6 +46,7 @@ denoising steps and at sparsity 0, estimate + sparse attention after.
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -332,8 +333,8 @@ class EstimateBlockMask(CustomOp):
         if kind == "cpu":
             if cpu_half_matmuls_slow() is None:
                 return [
-                    f"this CPU (torch capability {torch.backends.cpu.get_cpu_capability()}) "
-                    "multiplies bf16/fp16 natively: the meaning, in q's dtype, is the faster"
+                    "this CPU (AVX-512 or better) multiplies bf16/fp16 natively: the "
+                    "meaning, in q's dtype, is the faster"
                 ]
             return []
         if kind in ("cuda", "hip", "xpu") and cells > TRITON_ESTIMATE_MAX_CELLS:
@@ -597,6 +598,10 @@ class BlockSparseAttentionOp(CustomOp):
         # counts equal mask's row sums (checked in forward): the mask alone says it all.
         return block_sparse_attention_reference(q, k, v, mask, **options)
 
+    def output_shape(self, *args: Any, **kwargs: Any) -> tuple[int, ...]:
+        q, v = args[0], args[2]
+        return (*q.shape[:-1], v.shape[-1])  # the query's shape, with v's head dim
+
     def fast_path_reasons(self, kind: str, *args: Any, **kwargs: Any) -> list[str]:
         q, k = args[0], args[1]
         layout = kwargs.get("layout", "BNSD")
@@ -777,7 +782,8 @@ class BlockSparseAttention(nn.Module):
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
         self.dense_blocks = dense_blocks
         self.step: int | None = None
-        self._masks: OrderedDict[str | None, _CachedMask] = OrderedDict()
+        # Per thread (its ident), per branch: see _thread_masks.
+        self._masks: dict[int, OrderedDict[str | None, _CachedMask]] = {}
         if self.config.estimate_every > 1:
             _eager_kept_or_new_mask()  # made now, before any torch.compile trace
 
@@ -808,15 +814,20 @@ class BlockSparseAttention(nn.Module):
         scale: float | None = None,
         step: int | None = None,
         branch: str | None = None,
+        dense_blocks: int | None = None,
     ) -> torch.Tensor:
         """Attention of q over k/v in ``layout``; ``step`` overrides :meth:`set_step`;
         ``branch`` names the guidance branch (the pipeline's cache context name) whose
-        mask is reused."""
+        mask is reused; ``dense_blocks`` overrides the layer's for this call (a
+        caller serving several videos at once passes each its own)."""
         cfg = self.config
         step = self.step if step is None else step
         if cfg.dense_at(step):
             return dense_attention(q, k, v, layout=layout, scale=scale, causal=cfg.causal)
-        mask, counts = self._block_mask(q, k, layout=layout, scale=scale, step=step, branch=branch)
+        dense = self.dense_blocks if dense_blocks is None else dense_blocks
+        mask, counts = self._block_mask(
+            q, k, layout=layout, scale=scale, step=step, branch=branch, dense_blocks=dense
+        )
         return block_sparse_attention(
             q,
             k,
@@ -830,7 +841,13 @@ class BlockSparseAttention(nn.Module):
         )
 
     def _estimate(
-        self, q: torch.Tensor, k: torch.Tensor, *, layout: str, scale: float | None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str,
+        scale: float | None,
+        dense_blocks: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         cfg = self.config
         return estimate_block_mask(
@@ -845,7 +862,7 @@ class BlockSparseAttention(nn.Module):
             keep_sink=cfg.keep_sink,
             keep_recent=cfg.keep_recent,
             causal=cfg.causal,
-            dense_blocks=self.dense_blocks,
+            dense_blocks=dense_blocks,
             forced_blocks=cfg.forced_blocks,
             method=cfg.method,
             samples=cfg.samples,
@@ -860,12 +877,22 @@ class BlockSparseAttention(nn.Module):
         scale: float | None,
         step: int | None,
         branch: str | None,
+        dense_blocks: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This call's mask: estimated, or reused (see the class docstring)."""
         if self.config.estimate_every == 1 or step is None:
-            return self._estimate(q, k, layout=layout, scale=scale)
+            return self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
         kept_or_new = _eager_kept_or_new_mask()
-        return kept_or_new(self, q, k, layout=layout, scale=scale, step=step, branch=branch)
+        return kept_or_new(
+            self,
+            q,
+            k,
+            layout=layout,
+            scale=scale,
+            step=step,
+            branch=branch,
+            dense_blocks=dense_blocks,
+        )
 
     def _kept_or_new_mask(
         self,
@@ -876,32 +903,39 @@ class BlockSparseAttention(nn.Module):
         scale: float | None,
         step: int,
         branch: str | None,
+        dense_blocks: int,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         every = self.config.estimate_every
-        key = (
-            tuple(q.shape),
-            tuple(k.shape),
-            layout,
-            scale,
-            q.device,
-            self.dense_blocks,
-            self.config,
-        )
-        entry = self._masks.get(branch)
+        key = (tuple(q.shape), tuple(k.shape), layout, scale, q.device, dense_blocks, self.config)
+        masks = self._thread_masks()
+        entry = masks.get(branch)
         if (
             entry is not None
             and entry.key == key
             and entry.last_step < step < entry.estimated_at + every
         ):
             entry.last_step = step
-            self._masks.move_to_end(branch)
+            masks.move_to_end(branch)
             return entry.mask, entry.counts
-        self._masks.pop(branch, None)  # the old mask goes before the new one is made
-        mask, counts = self._estimate(q, k, layout=layout, scale=scale)
-        self._masks[branch] = _CachedMask(key, mask, counts, step, step)
-        while len(self._masks) > MAX_MASK_BRANCHES:
-            self._masks.popitem(last=False)
+        masks.pop(branch, None)  # the old mask goes before the new one is made
+        mask, counts = self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
+        masks[branch] = _CachedMask(key, mask, counts, step, step)
+        while len(masks) > MAX_MASK_BRANCHES:
+            masks.popitem(last=False)
         return mask, counts
+
+    def _thread_masks(self) -> OrderedDict[str | None, _CachedMask]:
+        """The calling thread's masks: threads sharing a model each run their own
+        denoising loop, so one must never reuse another's mask. Masks of threads that
+        ended are dropped here."""
+        ident = threading.get_ident()
+        masks = self._masks.get(ident)
+        if masks is None:
+            alive = {t.ident for t in threading.enumerate()}
+            for gone in [i for i in self._masks if i not in alive]:
+                del self._masks[gone]
+            masks = self._masks[ident] = OrderedDict()
+        return masks
 
 
 _EAGER_KEPT_OR_NEW: Any = None
