@@ -1,0 +1,51 @@
+"""Mask quality (no timing) of every estimate method on every generator shape, keep 0.25.
+
+What ``ditops bench masks --size full`` puts in its quality columns, without timing each
+variant: the video-like attention of :mod:`ditops.bench.video_attention` on its four
+shapes (Wan's 21 x 16 x 24 and three that no test was tuned on), 12 heads of 128, bf16,
+the first frame forced; per method and ``samples`` (sampled methods), the mass kept over
+both oracles and the output error over the per-row oracle mask's.
+
+Run: ``PYTHONPATH=src python benchmarks/cpu/probes/masks_shapes.py`` (a few minutes).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ditops.attention.estimate import forced_block_mask
+from ditops.bench.masks import FLAGS, first_frame_blocks
+from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
+from ditops.layers.attention import estimate_block_mask
+
+RUNS = [("sampled", 1), ("sampled", 2), ("sampled", 4), ("sampled", 8), ("sampled_head", 4),
+        ("antidiagonal", 4), ("antidiagonal_head", 4)]  # fmt: skip
+KEEP = 0.25
+
+
+def main() -> None:
+    print(f"{'shape':<14} {'S':>5} {'method':<18} {'samples':>7} {'/row or':>7} {'/head or':>8} "
+          f"{'worst r':>7} {'rel err':>7} {'err/or':>6}")  # fmt: skip
+    for name, shape in SHAPES.items():
+        q, k, v = video_attention(*shape, dtype=torch.bfloat16)
+        qf, kf, vf = q.float(), k.float(), v.float()
+        mass = exact_block_mass(qf, kf)
+        blocks, ff = int(mass.shape[-1]), first_frame_blocks(shape)
+        forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+        with torch.inference_mode():
+            dense = F.scaled_dot_product_attention(qf, kf, vf)
+            for method, samples in RUNS:
+                mask, _ = estimate_block_mask(
+                    q, k, keep_ratio=KEEP, dense_blocks=ff, method=method, samples=samples
+                )
+                r = mask_quality(mass, mask, qf, kf, vf, dense, forced=forced)
+                shown = samples if method.startswith("sampled") else "-"
+                print(f"{name + ' ' + 'x'.join(map(str, shape)):<14} {q.shape[2]:>5} "
+                      f"{method:<18} {shown:>7} {r.mass_vs_row:>7.3f} {r.mass_vs_head:>8.3f} "
+                      f"{r.worst_head_vs_row:>7.3f} {r.rel_err:>7.4f} "
+                      f"{r.err_vs_row_oracle:>6.2f}", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
