@@ -14,13 +14,20 @@ the original module): a deep copy of the model tracks its own steps, and it pick
 Outside a pipeline, wrap calls in ``model.cache_context("cond", step_index=i)`` yourself,
 or call :func:`set_step`. With no step known, the schedule treats the call as dense
 (never sparse by accident).
+
+Some pipelines (``HunyuanVideoPipeline``, ``HunyuanVideo15Pipeline`` in diffusers 0.42)
+enter ``cache_context(name)`` without a step index. For their families the state counts
+steps itself (``count_steps``): per branch, a call whose timestep is below the branch's
+previous one is the next step, any other call starts a new count at 0 (a new pipeline
+call: their schedulers' timesteps fall strictly within one). A step index given by the
+pipeline or :func:`set_step` wins.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -44,9 +51,21 @@ class StepState:
     manual: int | None = None
     latent_shape: tuple[int, ...] | None = None
     patch_size: tuple[int, ...] = (1, 2, 2)
+    count_steps: bool = False
+    counted: int | None = None
+    last_timesteps: dict[str | None, tuple[float, int]] = field(default_factory=dict)
 
     def current(self) -> int | None:
-        return self.manual if self.manual is not None else self.step
+        if self.manual is not None:
+            return self.manual
+        return self.step if self.step is not None else self.counted
+
+    def count(self, timestep: float) -> None:
+        """Count the step of a call with this timestep (see the module docstring)."""
+        last = self.last_timesteps.get(self.branch)
+        step = last[1] + 1 if last is not None and timestep < last[0] else 0
+        self.last_timesteps[self.branch] = (timestep, step)
+        self.counted = step
 
 
 class StepTrackingCacheContext:
@@ -82,7 +101,8 @@ class StepTrackingCacheContext:
 
 
 class LatentShapeRecorder:
-    """Forward pre-hook: the shape of the 5-D latent video a call brings."""
+    """Forward pre-hook: the shape of the 5-D latent video a call brings (and, for a
+    state that counts steps, the call's timestep)."""
 
     def __init__(self, state: StepState) -> None:
         self.state = state
@@ -91,6 +111,12 @@ class LatentShapeRecorder:
         latents = kwargs.get("hidden_states", args[0] if args else None)
         if isinstance(latents, torch.Tensor) and latents.dim() == 5:
             self.state.latent_shape = tuple(latents.shape)
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        if self.state.count_steps:
+            if isinstance(timestep, torch.Tensor) and timestep.numel():
+                self.state.count(float(timestep.flatten()[0]))
+            else:
+                self.state.counted = None
 
 
 def track_steps(model: nn.Module, state: StepState, record: PatchRecord) -> None:

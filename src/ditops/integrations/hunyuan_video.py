@@ -1,0 +1,411 @@
+"""Patching diffusers' ``HunyuanVideoTransformer3DModel`` (HunyuanVideo T2V and I2V).
+
+Its blocks are FLUX's adaLN-Zero chain in the model dtype, with the text tokens *last*
+(diffusers 0.42):
+
+* ``HunyuanVideoTransformerBlock`` (double-stream)::
+
+      n, gate, shift_mlp, scale_mlp, gate_mlp = norm1(h, temb)   # LN(h) * (1 + s) + sh
+      c_n, c_gate, ... = norm1_context(c, temb)
+      a, c_a = attn(n, c_n, mask, rope)
+      h = h + a * gate;  n = norm2(h) * (1 + scale_mlp) + shift_mlp
+      h = h + gate_mlp * ff(n)             # and the same for the text stream c
+
+* ``HunyuanVideoSingleTransformerBlock`` (single-stream over ``cat([video, text])``)::
+
+      n, gate = norm(x, temb);  m = act(proj_mlp(n))
+      a, c_a = attn(n[:, :-T], n[:, -T:], mask, rope)
+      x = gate * proj_out(cat([cat([a, c_a]), m], dim=2)) + x
+
+* ``norm_out`` (``AdaLayerNormContinuous``): ``LN(h) * (1 + scale) + shift``.
+
+The patched blocks run the same expressions on :func:`~ditops.layers.adaln.adaln_modulate`,
+:func:`~ditops.layers.adaln.adaln_residual_modulate` and
+:func:`~ditops.layers.adaln.adaln_residual` (``h + a * g`` and ``g * a + h`` are the same
+bits: products and sums commute), and the attention on
+:class:`~ditops.integrations.hunyuan_attention.HunyuanVideoAttnProcessor` (the q/k
+prologue on ``qk_norm_rope`` / ``rms_norm``; block-sparse video attention when asked).
+In exact precision the patched model is bitwise the unpatched one.
+
+Left as diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm``
+has affine parameters, which no adaLN op means), the embeddings, and the I2V
+``token_replace`` blocks (two modulations split at the first frame): their forwards stay
+diffusers' own (their attention processors are still fused). Which forward a block runs
+is decided in one place, :func:`fused_forward_of`.
+
+Before changing anything, :meth:`HunyuanVideoFamily.check` compares the blocks, norms and
+processors against what this module was written for, and the source of every diffusers
+function whose arithmetic it reproduces against the fingerprints of the versions it was
+checked with: a model that does not match is refused whole, with the reasons.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.base import (
+    AttrSet,
+    PatchOptions,
+    PatchRecord,
+    fingerprint,
+    forward_wrapper_problem,
+    refuse,
+    replace_forward,
+)
+from ditops.integrations.flux import norm_out_forward
+from ditops.integrations.hunyuan_attention import HunyuanOps, HunyuanVideoAttnProcessor
+from ditops.integrations.steps import StepState, track_steps
+
+_DIFFUSERS_042 = "diffusers 0.42"
+
+
+def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+    """Every diffusers function whose arithmetic the patch reproduces, with the
+    fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
+    module was checked against."""
+    from diffusers.models import embeddings, normalization
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    return {
+        "HunyuanVideoTransformerBlock.forward": (
+            hv.HunyuanVideoTransformerBlock.forward, {"2905bc608785d8af": _DIFFUSERS_042}
+        ),
+        "HunyuanVideoSingleTransformerBlock.forward": (
+            hv.HunyuanVideoSingleTransformerBlock.forward, {"497dbbffbea40b6e": _DIFFUSERS_042}
+        ),
+        "HunyuanVideoAttnProcessor2_0.__call__": (
+            hv.HunyuanVideoAttnProcessor2_0.__call__, {"14051151be5ee86a": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZero.forward": (
+            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZeroSingle.forward": (
+            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormContinuous.forward": (
+            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": _DIFFUSERS_042}
+        ),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": _DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+    }  # fmt: skip
+
+
+# --- the fused forwards -------------------------------------------------------------------------
+
+
+def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
+    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
+    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+
+
+def double_block_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
+
+    Installed as ``functools.partial(double_block_forward, block, ops)``: a deep copy of
+    the block gets a partial bound to the copy and its own ops. Like diffusers', it
+    ignores the token-replace arguments the model passes every block.
+    """
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
+        block.norm1_context, temb, 6
+    )
+    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
+    c_n = ops.modulate(
+        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n,
+        encoder_hidden_states=c_n,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    n, hidden_states = ops.residual_modulate(
+        hidden_states, attn_output, gate.unsqueeze(1),
+        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
+    )  # fmt: skip
+    c_n, encoder_hidden_states = ops.residual_modulate(
+        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
+        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
+    )  # fmt: skip
+    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
+    encoder_hidden_states = ops.residual(
+        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
+    )
+    return hidden_states, encoder_hidden_states
+
+
+def single_block_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoSingleTransformerBlock.forward`` on ditops' ops (module docstring)."""
+    text = encoder_hidden_states.shape[1]
+    residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    shift, scale, gate = _ada_emb(block.norm, temb, 3)
+    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
+    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n[:, :-text],
+        encoder_hidden_states=n[:, -text:],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    hidden_states = ops.residual(residual, out, gate.unsqueeze(1))
+    return hidden_states[:, :-text], hidden_states[:, -text:]
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Whether calling ``module`` would run hooks (torch's, diffusers', accelerate's)."""
+    return bool(
+        module._forward_hooks
+        or module._forward_pre_hooks
+        or getattr(module, "_diffusers_hook", None) is not None
+        or getattr(module, "_hf_hook", None) is not None
+    )
+
+
+#: The sub-modules each fused forward does not call (it reads their parameters or runs
+#: their arithmetic itself): hooks on them would be skipped.
+_BYPASSED = {
+    "double": ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
+               "norm2_context"),
+    "single": ("norm", "norm.norm"),
+}  # fmt: skip
+
+
+def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
+    """The one place that decides which forward a block runs: ditops' fused forward (a
+    function of ``(block, ops, *args)``), or None for diffusers' own: a block of another
+    class, or one whose bypassed sub-modules carry hooks (they must run)."""
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    kind = {
+        hv.HunyuanVideoTransformerBlock: "double",
+        hv.HunyuanVideoSingleTransformerBlock: "single",
+    }.get(type(block))
+    if kind is None:
+        return None
+    if any(_hooked(block.get_submodule(name)) for name in _BYPASSED[kind]):
+        return None
+    return double_block_forward if kind == "double" else single_block_forward
+
+
+# --- check and apply ---------------------------------------------------------------------------
+
+
+@dataclass
+class HunyuanVideoPlan:
+    """What :meth:`HunyuanVideoFamily.apply` changes (all checked)."""
+
+    fused: list[tuple[nn.Module, Callable[..., Any]]] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # blocks running diffusers' forward
+    attentions: list[nn.Module] = field(default_factory=list)
+    norm_out: nn.Module | None = None
+
+
+def _is_plain_layer_norm(m: object) -> bool:
+    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
+
+
+def _rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[str]:
+    """q's and k's norms: diffusers' RMSNorm over the head dim with a weight, no bias,
+    one eps and weight dtype for both (the op takes one of each per call)."""
+    from diffusers.models.normalization import RMSNorm
+
+    q, k = (getattr(attn, n, None) for n in names)
+    label = f"{where}.{names[0]}/{names[1]}"
+    if type(q) is not RMSNorm or type(k) is not RMSNorm:
+        return [f"{label} are not diffusers' RMSNorm"]
+    problems = []
+    head_dim = attn.inner_dim // attn.heads
+    for norm in (q, k):
+        if norm.weight is None or norm.bias is not None or tuple(norm.dim) != (head_dim,):
+            problems.append(f"{label}: a weight, no bias and the head dim are expected")
+    if q.eps != k.eps:
+        problems.append(f"{label} have different eps ({q.eps}, {k.eps})")
+    if q.weight is not None and k.weight is not None and q.weight.dtype != k.weight.dtype:
+        problems.append(f"{label} have weights of different dtypes")
+    return problems
+
+
+def _attention_problems(block: nn.Module, where: str, double: bool) -> list[str]:
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    attn = getattr(block, "attn", None)
+    proc = getattr(attn, "processor", None)
+    if type(proc) is not hv.HunyuanVideoAttnProcessor2_0:
+        name = type(proc).__name__
+        return [f"{where}.attn.processor is a {name}, not HunyuanVideoAttnProcessor2_0"]
+    problems = _rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
+    if (attn.add_q_proj is not None) != double:
+        problems.append(f"{where}.attn: added projections do not match the block's kind")
+    if double:
+        problems += _rms_problems(attn, ("norm_added_q", "norm_added_k"), f"{where}.attn")
+    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
+        sub = getattr(attn, name, None)
+        if sub is not None and _hooked(sub):
+            problems.append(f"{where}.attn.{name} has hooks, which the fused prologue would skip")
+    return problems
+
+
+def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
+    from diffusers.models import normalization
+
+    problems = []
+    if double:
+        for name in ("norm1", "norm1_context"):
+            norm = getattr(block, name, None)
+            if (
+                type(norm) is not normalization.AdaLayerNormZero
+                or norm.emb is not None
+                or not _is_plain_layer_norm(norm.norm)
+            ):
+                problems.append(
+                    f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
+                )
+        for name in ("norm2", "norm2_context"):
+            if not _is_plain_layer_norm(getattr(block, name, None)):
+                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+    else:
+        norm = getattr(block, "norm", None)
+        if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
+            norm.norm
+        ):
+            problems.append(
+                f"{where}.norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
+            )
+    wrapped = forward_wrapper_problem(block, where)
+    return problems + ([wrapped] if wrapped else [])
+
+
+def _check(model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
+    import diffusers
+    from diffusers.models import normalization
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    plan = HunyuanVideoPlan()
+    if not options.norms and options.attention is None:
+        return plan
+    problems: list[str] = []
+    version = getattr(diffusers, "__version__", "?")
+    for label, (fn, known) in _relied_on().items():
+        fp = fingerprint(fn)
+        if fp not in known:
+            problems.append(
+                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
+                f"ditops knows ({', '.join(sorted(set(known.values())))})"
+            )
+    kinds = {
+        "transformer_blocks": (hv.HunyuanVideoTransformerBlock,
+                               hv.HunyuanVideoTokenReplaceTransformerBlock),
+        "single_transformer_blocks": (hv.HunyuanVideoSingleTransformerBlock,
+                                      hv.HunyuanVideoTokenReplaceSingleTransformerBlock),
+    }  # fmt: skip
+    for attr, classes in kinds.items():
+        double = attr == "transformer_blocks"
+        for i, block in enumerate(getattr(model, attr, [])):
+            where = f"{attr}[{i}]"
+            if type(block) not in classes:
+                names = " or ".join(c.__name__ for c in classes)
+                problems.append(f"{where} is a {type(block).__name__}, not {names}")
+                continue
+            found = _attention_problems(block, where, double)
+            if type(block) is classes[0]:
+                found += _block_problems(block, where, double)
+            problems += found
+            if found:
+                continue
+            plan.attentions.append(block.attn)
+            fused = fused_forward_of(block) if options.norms else None
+            if fused is not None:
+                plan.fused.append((block, fused))
+            elif options.norms:
+                plan.kept.append(where)
+    norm_out = getattr(model, "norm_out", None)
+    if options.norms:
+        if type(norm_out) is not normalization.AdaLayerNormContinuous or not _is_plain_layer_norm(
+            norm_out.norm
+        ):
+            problems.append(
+                "norm_out is not an AdaLayerNormContinuous over a LayerNorm without affine"
+            )
+        else:
+            wrapped = forward_wrapper_problem(norm_out, "norm_out")
+            problems += [wrapped] if wrapped else []
+            plan.norm_out = None if _hooked(norm_out.norm) else norm_out
+    refuse(model, problems)
+    return plan
+
+
+class HunyuanVideoFamily:
+    """diffusers' ``HunyuanVideoTransformer3DModel``: fused adaLN chain and attention
+    prologue, optional block-sparse video self-attention."""
+
+    name = "hunyuan_video"
+
+    def recognise(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "HunyuanVideoTransformer3DModel" and hasattr(
+            model, "single_transformer_blocks"
+        )
+
+    def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
+        """Everything the patch relies on, checked before any change. Raises PatchError."""
+        return _check(model, options)
+
+    def apply(
+        self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Patch a checked HunyuanVideo model in place, recording every change on ``record``."""
+        ops = HunyuanOps(options.precision) if options.norms else None
+        if ops is not None:
+            for block, forward in plan.fused:
+                replace_forward(block, functools.partial(forward, block, ops), record)
+            record.count("fused blocks", len(plan.fused))
+            if plan.kept:
+                record.count("blocks kept", len(plan.kept))
+            if plan.norm_out is not None:
+                norm = plan.norm_out
+                replace_forward(norm, functools.partial(norm_out_forward, norm, ops), record)
+                record.count("fused output norm")
+        steps = None
+        if options.attention is not None:
+            steps = StepState(count_steps=True)
+            config = model.config  # type: ignore[attr-defined]
+            steps.patch_size = (config.patch_size_t, config.patch_size, config.patch_size)
+            track_steps(model, steps, record)
+        for attn in plan.attentions:
+            sparse = None
+            if options.attention is not None:
+                from ditops.layers.attention import BlockSparseAttention
+
+                sparse = BlockSparseAttention(options.attention)
+                record.count("sparse self-attentions")
+            processor = HunyuanVideoAttnProcessor(attn.processor, ops, steps, sparse)
+            record.add(AttrSet.apply(attn, "processor", processor))
+            if ops is not None:
+                record.count("fused attention prologues")
