@@ -204,6 +204,25 @@ def test_a_block_with_hooks_on_a_bypassed_norm_runs_its_own_forward() -> None:
     assert seen == [1]  # the hook still runs
 
 
+def test_an_attention_with_hooks_on_its_q_norm_keeps_diffusers_prologue() -> None:
+    model = tiny_hunyuan()
+    x = inputs()
+    seen: list[int] = []
+    model.single_transformer_blocks[0].attn.norm_q.register_forward_hook(lambda *_: seen.append(1))
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    summary = report.models["HunyuanVideoTransformer3DModel"]
+    assert summary["fused attention prologues"] == 3 and summary["fused blocks"] == 4
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]
+    # with sparse attention too, that attention's norms run as diffusers' modules
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, skip_first_steps=1))
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]
+
+
 def _swap_block_class(model: nn.Module) -> None:
     from diffusers.models.transformers.transformer_hunyuan_video import (
         HunyuanVideoTransformerBlock,

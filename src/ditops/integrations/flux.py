@@ -342,7 +342,7 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
     if options.attention is not None:
         raise PatchError(
             "sparse attention is supported for WanTransformer3DModel and "
-            "HunyuanVideoTransformer3DModel, not for "
+            "HunyuanVideo(15)Transformer3DModel, not for "
             f"{type(model).__name__}; call patch(..., attention=None) to patch its blocks only"
         )
     plan = FluxPlan()

@@ -9,7 +9,10 @@
   projections normed by ``norm_added_q``/``norm_added_k`` (not rotated), text last;
 
 then one attention with the model's ``[B, 1, 1, N]`` key mask (padded text tokens are
-masked as keys; every query row attends). :class:`HunyuanVideoAttnProcessor` runs the
+masked as keys; every query row attends). HunyuanVideo-1.5's processor
+(``HunyuanVideo15AttnProcessor2_0``, double-stream blocks only) is the same but for the
+mask: it is given the ``[B, text]`` text mask and masks padded text as keys *and* as
+queries (``[B, 1, N, N]``). :class:`HunyuanVideoAttnProcessor` runs the
 same: ``qk_norm_rope`` (``convention="diffusers"``) on the video rows, ``rms_norm`` on the
 text rows, and diffusers' ``dispatch_attention_fn`` with the mask: in exact precision
 bitwise what the original computes (a norm row does not see the other rows).
@@ -66,6 +69,10 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     """``HunyuanVideoAttnProcessor2_0`` with the prologue on ditops' ops (``ops``, None:
     diffusers' norms and rotation) and optional block-sparse attention (``sparse``).
 
+    ``text_mask``: HunyuanVideo-1.5's ``HunyuanVideo15AttnProcessor2_0``, which is given
+    the ``[B, text]`` text mask and makes the ``[B, 1, N, N]`` mask itself (padded text
+    masked as keys and as queries), with the same code as diffusers.
+
     The attention backend and the parallel config live on the wrapped original (see
     :class:`~ditops.integrations.base.WrappingProcessor`).
     """
@@ -76,6 +83,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         ops: HunyuanOps | None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
+        text_mask: bool = False,
     ) -> None:
         if sparse is not None and steps is None:
             raise ValueError("HunyuanVideoAttnProcessor: sparse attention needs the step state")
@@ -83,6 +91,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         self.ops = ops
         self.steps = steps
         self.sparse = sparse
+        self.text_mask = text_mask
 
     def _dense_now(self) -> bool:
         if self.sparse is None or self.steps is None:
@@ -112,6 +121,9 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
             )
         text = encoder_hidden_states.shape[1]
         query, key, value = self._qkv(attn, hidden_states, encoder_hidden_states, image_rotary_emb)
+        given = attention_mask
+        if self.text_mask:  # HunyuanVideo-1.5: the processor makes the [B, 1, N, N] mask
+            attention_mask = _self_attention_mask(given, *query.shape[:2])
         if dense:
             from diffusers.models.attention_dispatch import dispatch_attention_fn
 
@@ -126,7 +138,14 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
                 parallel_config=self._parallel_config,
             )
         else:
-            out = self._sparse_attention(query, key, value, attention_mask, text)
+            batch, n = query.shape[:2]
+            if self.text_mask:
+                keep = _text_mask_of(given, batch, text)
+                rows = attention_mask[:, :, n - text :]
+            else:
+                keep = _text_keys_kept(attention_mask, batch, n, n - text, query.device)
+                rows = attention_mask
+            out = self._sparse_attention(query, key, value, keep, rows, text)
         out = out.flatten(2, 3).to(query.dtype)
         hidden_states, encoder_hidden_states = out[:, :-text], out[:, -text:]
         if getattr(attn, "to_out", None) is not None:
@@ -193,11 +212,13 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        mask: torch.Tensor | None,
+        keep: torch.Tensor,
+        text_rows_mask: torch.Tensor | None,
         text: int,
     ) -> torch.Tensor:
-        """Video rows block-sparse over [valid text, video] keys, text rows dense (see the
-        module docstring); ``[B, N, H, D]`` in and out."""
+        """Video rows block-sparse over [kept text, video] keys, text rows dense with their
+        rows of the model's mask (see the module docstring); ``[B, N, H, D]`` in and out.
+        ``keep``: bool ``[B, text]``, the text keys the mask keeps."""
         from diffusers.models.attention_dispatch import dispatch_attention_fn
 
         assert self.sparse is not None and self.steps is not None
@@ -209,19 +230,18 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
             )
         batch, n = query.shape[:2]
         video = n - text
-        keep = _text_keys_kept(mask, batch, n, video, query.device)
         text_out = dispatch_attention_fn(
-            query[:, video:], key, value, attn_mask=mask, backend=self._attention_backend
+            query[:, video:], key, value, attn_mask=text_rows_mask, backend=self._attention_backend
         )
         frame = self._frame_tokens()
         block = self.sparse.config.block_size
         outs = []
         for b in range(batch):
-            keys = torch.cat([key[b : b + 1, video:][:, keep[b]], key[b : b + 1, :video]], dim=1)
-            values = torch.cat(
-                [value[b : b + 1, video:][:, keep[b]], value[b : b + 1, :video]], dim=1
+            keys, values = (
+                torch.cat([t[b : b + 1, video:][:, keep[b]], t[b : b + 1, :video]], dim=1)
+                for t in (key, value)
             )
-            lead = int(keys.shape[1]) - video  # the valid text keys, first
+            lead = int(keys.shape[1]) - video  # the kept text keys, first
             self.sparse.dense_blocks = math.ceil((lead + min(frame, video)) / block)
             branch = self.steps.branch if batch == 1 else f"{self.steps.branch}#{b}"
             outs.append(
@@ -244,6 +264,26 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
             return 0
         ph, pw = self.steps.patch_size[-2:]
         return (int(shape[-2]) // ph) * (int(shape[-1]) // pw)
+
+
+def _self_attention_mask(text_mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:
+    """``HunyuanVideo15AttnProcessor2_0``'s mask from the ``[B, text]`` one, as it makes it."""
+    import torch.nn.functional as F
+
+    mask = F.pad(text_mask, (n - text_mask.shape[1], 0), value=True).bool()
+    rows = mask.view(batch, 1, 1, n).repeat(1, 1, n, 1)
+    return (rows & rows.transpose(2, 3)).bool()
+
+
+def _text_mask_of(mask: torch.Tensor | None, batch: int, text: int) -> torch.Tensor:
+    """Bool ``[B, text]`` from HunyuanVideo-1.5's text mask, refused if it is not one."""
+    if mask is None or tuple(mask.shape) != (batch, text):
+        shape = None if mask is None else list(mask.shape)
+        raise ValueError(
+            f"ditops: sparse HunyuanVideo-1.5 attention takes the [B, text] = [{batch}, {text}] "
+            f"text mask the model passes; got {shape}"
+        )
+    return mask.bool()
 
 
 def _text_keys_kept(

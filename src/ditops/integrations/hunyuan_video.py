@@ -191,28 +191,47 @@ def _hooked(module: nn.Module) -> bool:
 
 #: The sub-modules each fused forward does not call (it reads their parameters or runs
 #: their arithmetic itself): hooks on them would be skipped.
-_BYPASSED = {
-    "double": ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-               "norm2_context"),
-    "single": ("norm", "norm.norm"),
+_BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
+    double_block_forward: ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm",
+                           "norm2", "norm2_context"),
+    single_block_forward: ("norm", "norm.norm"),
 }  # fmt: skip
+#: The same for the fused attention prologue (HunyuanVideoAttnProcessor with ops).
+_PROLOGUE_BYPASSED = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
+
+
+def _fused_classes() -> dict[type, Callable[..., Any]]:
+    """Block classes whose forward is :func:`double_block_forward` or
+    :func:`single_block_forward` (HunyuanVideo-1.5's block is the same code: the
+    fingerprints in :func:`_relied_on` and ``hunyuan_video15`` say so)."""
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+    from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
+
+    return {
+        hv.HunyuanVideoTransformerBlock: double_block_forward,
+        hv.HunyuanVideoSingleTransformerBlock: single_block_forward,
+        hv15.HunyuanVideo15TransformerBlock: double_block_forward,
+    }
 
 
 def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
     """The one place that decides which forward a block runs: ditops' fused forward (a
     function of ``(block, ops, *args)``), or None for diffusers' own: a block of another
     class, or one whose bypassed sub-modules carry hooks (they must run)."""
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
+    forward = _fused_classes().get(type(block))
+    if forward is None:
+        return None
+    if any(_hooked(block.get_submodule(name)) for name in _BYPASSED[forward]):
+        return None
+    return forward
 
-    kind = {
-        hv.HunyuanVideoTransformerBlock: "double",
-        hv.HunyuanVideoSingleTransformerBlock: "single",
-    }.get(type(block))
-    if kind is None:
-        return None
-    if any(_hooked(block.get_submodule(name)) for name in _BYPASSED[kind]):
-        return None
-    return double_block_forward if kind == "double" else single_block_forward
+
+def fused_prologue_of(attn: nn.Module) -> bool:
+    """Whether an attention's q/k prologue runs on ditops' ops (not when its norms carry
+    hooks: then diffusers' norms run, as the hooks expect)."""
+    return not any(
+        _hooked(sub) for sub in (getattr(attn, n, None) for n in _PROLOGUE_BYPASSED) if sub
+    )
 
 
 # --- check and apply ---------------------------------------------------------------------------
@@ -253,23 +272,16 @@ def _rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[s
     return problems
 
 
-def _attention_problems(block: nn.Module, where: str, double: bool) -> list[str]:
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
-
+def _attention_problems(block: nn.Module, where: str, double: bool, processor: type) -> list[str]:
     attn = getattr(block, "attn", None)
     proc = getattr(attn, "processor", None)
-    if type(proc) is not hv.HunyuanVideoAttnProcessor2_0:
-        name = type(proc).__name__
-        return [f"{where}.attn.processor is a {name}, not HunyuanVideoAttnProcessor2_0"]
+    if type(proc) is not processor:
+        return [f"{where}.attn.processor is a {type(proc).__name__}, not {processor.__name__}"]
     problems = _rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
     if (attn.add_q_proj is not None) != double:
         problems.append(f"{where}.attn: added projections do not match the block's kind")
     if double:
         problems += _rms_problems(attn, ("norm_added_q", "norm_added_k"), f"{where}.attn")
-    for name in ("norm_q", "norm_k", "norm_added_q", "norm_added_k"):
-        sub = getattr(attn, name, None)
-        if sub is not None and _hooked(sub):
-            problems.append(f"{where}.attn.{name} has hooks, which the fused prologue would skip")
     return problems
 
 
@@ -303,30 +315,52 @@ def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
     return problems + ([wrapped] if wrapped else [])
 
 
-def _check(model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
+@dataclass(frozen=True)
+class Spec:
+    """What one model of the family is made of, for :func:`check_model`."""
+
+    #: attribute -> (the block class fused, classes kept running their own forward)
+    blocks: dict[str, tuple[type, ...]]
+    processor: type  # diffusers' attention processor the blocks must have
+    relied_on: Callable[[], dict[str, tuple[Callable[..., Any], dict[str, str]]]]
+
+
+def _spec() -> Spec:
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    return Spec(
+        blocks={
+            "transformer_blocks": (
+                hv.HunyuanVideoTransformerBlock, hv.HunyuanVideoTokenReplaceTransformerBlock
+            ),
+            "single_transformer_blocks": (
+                hv.HunyuanVideoSingleTransformerBlock,
+                hv.HunyuanVideoTokenReplaceSingleTransformerBlock,
+            ),
+        },
+        processor=hv.HunyuanVideoAttnProcessor2_0,
+        relied_on=lambda: _relied_on(),
+    )  # fmt: skip
+
+
+def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanVideoPlan:
+    """Everything the patch of ``model`` relies on, checked before any change."""
     import diffusers
     from diffusers.models import normalization
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
 
     plan = HunyuanVideoPlan()
     if not options.norms and options.attention is None:
         return plan
     problems: list[str] = []
     version = getattr(diffusers, "__version__", "?")
-    for label, (fn, known) in _relied_on().items():
+    for label, (fn, known) in spec.relied_on().items():
         fp = fingerprint(fn)
         if fp not in known:
             problems.append(
                 f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
                 f"ditops knows ({', '.join(sorted(set(known.values())))})"
             )
-    kinds = {
-        "transformer_blocks": (hv.HunyuanVideoTransformerBlock,
-                               hv.HunyuanVideoTokenReplaceTransformerBlock),
-        "single_transformer_blocks": (hv.HunyuanVideoSingleTransformerBlock,
-                                      hv.HunyuanVideoTokenReplaceSingleTransformerBlock),
-    }  # fmt: skip
-    for attr, classes in kinds.items():
+    for attr, classes in spec.blocks.items():
         double = attr == "transformer_blocks"
         for i, block in enumerate(getattr(model, attr, [])):
             where = f"{attr}[{i}]"
@@ -334,7 +368,7 @@ def _check(model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
                 names = " or ".join(c.__name__ for c in classes)
                 problems.append(f"{where} is a {type(block).__name__}, not {names}")
                 continue
-            found = _attention_problems(block, where, double)
+            found = _attention_problems(block, where, double, spec.processor)
             if type(block) is classes[0]:
                 found += _block_problems(block, where, double)
             problems += found
@@ -362,6 +396,48 @@ def _check(model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
     return plan
 
 
+def apply_plan(
+    model: nn.Module,
+    plan: HunyuanVideoPlan,
+    record: PatchRecord,
+    options: PatchOptions,
+    text_mask: bool = False,
+) -> None:
+    """Patch a checked model in place, recording every change on ``record``
+    (``text_mask``: see :class:`HunyuanVideoAttnProcessor`)."""
+    ops = HunyuanOps(options.precision) if options.norms else None
+    if ops is not None:
+        for block, forward in plan.fused:
+            replace_forward(block, functools.partial(forward, block, ops), record)
+        record.count("fused blocks", len(plan.fused))
+        if plan.kept:
+            record.count("blocks kept", len(plan.kept))
+        if plan.norm_out is not None:
+            norm = plan.norm_out
+            replace_forward(norm, functools.partial(norm_out_forward, norm, ops), record)
+            record.count("fused output norm")
+    steps = None
+    if options.attention is not None:
+        steps = StepState(count_steps=True)
+        config = model.config  # type: ignore[attr-defined]
+        steps.patch_size = (config.patch_size_t, config.patch_size, config.patch_size)
+        track_steps(model, steps, record)
+    for attn in plan.attentions:
+        prologue = ops if ops is not None and fused_prologue_of(attn) else None
+        sparse = None
+        if options.attention is not None:
+            from ditops.layers.attention import BlockSparseAttention
+
+            sparse = BlockSparseAttention(options.attention)
+            record.count("sparse self-attentions")
+        if prologue is None and sparse is None:
+            continue
+        processor = HunyuanVideoAttnProcessor(attn.processor, prologue, steps, sparse, text_mask)
+        record.add(AttrSet.apply(attn, "processor", processor))
+        if prologue is not None:
+            record.count("fused attention prologues")
+
+
 class HunyuanVideoFamily:
     """diffusers' ``HunyuanVideoTransformer3DModel``: fused adaLN chain and attention
     prologue, optional block-sparse video self-attention."""
@@ -375,37 +451,10 @@ class HunyuanVideoFamily:
 
     def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
         """Everything the patch relies on, checked before any change. Raises PatchError."""
-        return _check(model, options)
+        return check_model(model, options, _spec())
 
     def apply(
         self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
     ) -> None:
         """Patch a checked HunyuanVideo model in place, recording every change on ``record``."""
-        ops = HunyuanOps(options.precision) if options.norms else None
-        if ops is not None:
-            for block, forward in plan.fused:
-                replace_forward(block, functools.partial(forward, block, ops), record)
-            record.count("fused blocks", len(plan.fused))
-            if plan.kept:
-                record.count("blocks kept", len(plan.kept))
-            if plan.norm_out is not None:
-                norm = plan.norm_out
-                replace_forward(norm, functools.partial(norm_out_forward, norm, ops), record)
-                record.count("fused output norm")
-        steps = None
-        if options.attention is not None:
-            steps = StepState(count_steps=True)
-            config = model.config  # type: ignore[attr-defined]
-            steps.patch_size = (config.patch_size_t, config.patch_size, config.patch_size)
-            track_steps(model, steps, record)
-        for attn in plan.attentions:
-            sparse = None
-            if options.attention is not None:
-                from ditops.layers.attention import BlockSparseAttention
-
-                sparse = BlockSparseAttention(options.attention)
-                record.count("sparse self-attentions")
-            processor = HunyuanVideoAttnProcessor(attn.processor, ops, steps, sparse)
-            record.add(AttrSet.apply(attn, "processor", processor))
-            if ops is not None:
-                record.count("fused attention prologues")
+        apply_plan(model, plan, record, options)

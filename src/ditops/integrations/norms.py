@@ -49,7 +49,7 @@ class GenericFamily:
         if options.attention is not None:
             raise PatchError(
                 "sparse attention is supported for WanTransformer3DModel and "
-                "HunyuanVideoTransformer3DModel, not for "
+                "HunyuanVideo(15)Transformer3DModel, not for "
                 f"{type(model).__name__}; call patch(..., attention=None) to patch its norms only"
             )
 

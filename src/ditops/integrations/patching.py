@@ -1,9 +1,10 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
 :func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
-HunyuanVideo, then the generic norm swap), has it check the model (a model that does not
-match what the patch expects is refused whole, nothing changed) and apply the patch,
-recording every change on the model (``model._ditops_patch``, see :mod:`ditops.integrations.base`).
+HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+model that does not match what the patch expects is refused whole, nothing changed) and
+apply the patch, recording every change on the model (``model._ditops_patch``, see
+:mod:`ditops.integrations.base`).
 
 Calling :func:`patch` again combines: options given in the new call replace the ones in
 force, options left out keep their value, so ``patch(m, precision="exact")`` then
@@ -23,6 +24,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.base import ModelFamily, PatchError, PatchOptions, PatchRecord
 from ditops.integrations.flux import FluxFamily
 from ditops.integrations.hunyuan_video import HunyuanVideoFamily
+from ditops.integrations.hunyuan_video15 import HunyuanVideo15Family
 from ditops.integrations.norms import GenericFamily
 from ditops.integrations.wan import WanFamily
 
@@ -33,6 +35,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     WanFamily(),
     FluxFamily(),
     HunyuanVideoFamily(),
+    HunyuanVideo15Family(),
     GenericFamily(),
 )
 
