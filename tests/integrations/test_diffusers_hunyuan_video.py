@@ -173,21 +173,28 @@ def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
         assert torch.equal(run(model, **x), ref)
 
 
-def test_i2v_token_replace_blocks_keep_their_forward_and_fuse_attention(
-    cpu_paths: dict[str, int],
-) -> None:
-    model = tiny_hunyuan(torch.bfloat16, image_condition_type="token_replace")
-    x = inputs(batch=2)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_i2v_token_replace_blocks_fused_bitwise(dtype: str, cpu_paths: dict[str, int]) -> None:
+    """The first frame's tokens modulated and gated by the token-replace embedding: each
+    op on the two row ranges (video and, single-stream, text after the first frame)."""
+    model = tiny_hunyuan(DTYPES[dtype], image_condition_type="token_replace")
+    x = inputs(DTYPES[dtype], batch=2)
     ref = run(model, **x)
     report = ditops.patch(model, precision="exact")
     assert report.models["HunyuanVideoTransformer3DModel"] == {
-        "fused blocks": 0,
-        "blocks kept": 4,
+        "fused blocks": 4,
         "fused attention prologues": 4,
         "fused output norm": 1,
     }
     assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == {"adaln_modulate": 1, "qk_norm_rope": 4, "rms_norm": 8}
+    # double: 2 + 1 (text) of each op; single: 2 modulated norms, 2 residuals; norm_out
+    assert cpu_paths == {
+        "adaln_modulate": 2 * 3 + 2 * 2 + 1,
+        "adaln_residual_modulate": 2 * 3,
+        "adaln_residual": 2 * 3 + 2 * 2,
+        "qk_norm_rope": 4,
+        "rms_norm": 8,
+    }
 
 
 def test_a_block_with_hooks_on_a_bypassed_norm_runs_its_own_forward() -> None:

@@ -306,3 +306,40 @@ def _text_keys_kept(
             "text keys (the model's own mask) are supported"
         )
     return rows[:, video:]
+
+
+# --- what the processor relies on, checked before a patch ------------------------------------
+
+
+def rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[str]:
+    """q's and k's norms: diffusers' RMSNorm over the head dim with a weight, no bias,
+    one eps and weight dtype for both (the op takes one of each per call)."""
+    from diffusers.models.normalization import RMSNorm
+
+    q, k = (getattr(attn, n, None) for n in names)
+    label = f"{where}.{names[0]}/{names[1]}"
+    if type(q) is not RMSNorm or type(k) is not RMSNorm:
+        return [f"{label} are not diffusers' RMSNorm"]
+    problems = []
+    head_dim = attn.inner_dim // attn.heads
+    for norm in (q, k):
+        if norm.weight is None or norm.bias is not None or tuple(norm.dim) != (head_dim,):
+            problems.append(f"{label}: a weight, no bias and the head dim are expected")
+    if q.eps != k.eps:
+        problems.append(f"{label} have different eps ({q.eps}, {k.eps})")
+    if q.weight is not None and k.weight is not None and q.weight.dtype != k.weight.dtype:
+        problems.append(f"{label} have weights of different dtypes")
+    return problems
+
+
+def attention_problems(block: nn.Module, where: str, double: bool, processor: type) -> list[str]:
+    attn = getattr(block, "attn", None)
+    proc = getattr(attn, "processor", None)
+    if type(proc) is not processor:
+        return [f"{where}.attn.processor is a {type(proc).__name__}, not {processor.__name__}"]
+    problems = rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
+    if (attn.add_q_proj is not None) != double:
+        problems.append(f"{where}.attn: added projections do not match the block's kind")
+    if double:
+        problems += rms_problems(attn, ("norm_added_q", "norm_added_k"), f"{where}.attn")
+    return problems

@@ -27,11 +27,11 @@ bits: products and sums commute), and the attention on
 prologue on ``qk_norm_rope`` / ``rms_norm``; block-sparse video attention when asked).
 In exact precision the patched model is bitwise the unpatched one.
 
-Left as diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm``
-has affine parameters, which no adaLN op means), the embeddings, and the I2V
-``token_replace`` blocks (two modulations split at the first frame): their forwards stay
-diffusers' own (their attention processors are still fused). Which forward a block runs
-is decided in one place, :func:`fused_forward_of`.
+The I2V ``token_replace`` blocks (two modulations split at the first frame) run the same
+ops on the two row ranges (:mod:`~ditops.integrations.hunyuan_token_replace`). Left as
+diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm`` has
+affine parameters, which no adaLN op means) and the embeddings. Which forward a block
+runs is decided in one place, :func:`fused_forward_of`.
 
 Before changing anything, :meth:`HunyuanVideoFamily.check` compares the blocks, norms and
 processors against what this module was written for, and the source of every diffusers
@@ -49,6 +49,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations import hunyuan_token_replace as token_replace
 from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
@@ -59,7 +60,11 @@ from ditops.integrations.base import (
     replace_forward,
 )
 from ditops.integrations.flux import norm_out_forward
-from ditops.integrations.hunyuan_attention import HunyuanOps, HunyuanVideoAttnProcessor
+from ditops.integrations.hunyuan_attention import (
+    HunyuanOps,
+    HunyuanVideoAttnProcessor,
+    attention_problems,
+)
 from ditops.integrations.steps import StepState, track_steps
 
 _DIFFUSERS_042 = "diffusers 0.42"
@@ -93,6 +98,7 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
         ),
         "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": _DIFFUSERS_042}),
         "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+        **token_replace.relied_on(),
     }  # fmt: skip
 
 
@@ -195,6 +201,7 @@ _BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
     double_block_forward: ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm",
                            "norm2", "norm2_context"),
     single_block_forward: ("norm", "norm.norm"),
+    **token_replace.BYPASSED,
 }  # fmt: skip
 #: The same for the fused attention prologue (HunyuanVideoAttnProcessor with ops).
 _PROLOGUE_BYPASSED = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
@@ -210,6 +217,10 @@ def _fused_classes() -> dict[type, Callable[..., Any]]:
     return {
         hv.HunyuanVideoTransformerBlock: double_block_forward,
         hv.HunyuanVideoSingleTransformerBlock: single_block_forward,
+        hv.HunyuanVideoTokenReplaceTransformerBlock: token_replace.token_replace_double_forward,
+        hv.HunyuanVideoTokenReplaceSingleTransformerBlock: (
+            token_replace.token_replace_single_forward
+        ),
         hv15.HunyuanVideo15TransformerBlock: double_block_forward,
     }
 
@@ -251,40 +262,6 @@ def _is_plain_layer_norm(m: object) -> bool:
     return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
 
 
-def _rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[str]:
-    """q's and k's norms: diffusers' RMSNorm over the head dim with a weight, no bias,
-    one eps and weight dtype for both (the op takes one of each per call)."""
-    from diffusers.models.normalization import RMSNorm
-
-    q, k = (getattr(attn, n, None) for n in names)
-    label = f"{where}.{names[0]}/{names[1]}"
-    if type(q) is not RMSNorm or type(k) is not RMSNorm:
-        return [f"{label} are not diffusers' RMSNorm"]
-    problems = []
-    head_dim = attn.inner_dim // attn.heads
-    for norm in (q, k):
-        if norm.weight is None or norm.bias is not None or tuple(norm.dim) != (head_dim,):
-            problems.append(f"{label}: a weight, no bias and the head dim are expected")
-    if q.eps != k.eps:
-        problems.append(f"{label} have different eps ({q.eps}, {k.eps})")
-    if q.weight is not None and k.weight is not None and q.weight.dtype != k.weight.dtype:
-        problems.append(f"{label} have weights of different dtypes")
-    return problems
-
-
-def _attention_problems(block: nn.Module, where: str, double: bool, processor: type) -> list[str]:
-    attn = getattr(block, "attn", None)
-    proc = getattr(attn, "processor", None)
-    if type(proc) is not processor:
-        return [f"{where}.attn.processor is a {type(proc).__name__}, not {processor.__name__}"]
-    problems = _rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
-    if (attn.add_q_proj is not None) != double:
-        problems.append(f"{where}.attn: added projections do not match the block's kind")
-    if double:
-        problems += _rms_problems(attn, ("norm_added_q", "norm_added_k"), f"{where}.attn")
-    return problems
-
-
 def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
     from diffusers.models import normalization
 
@@ -319,7 +296,7 @@ def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
 class Spec:
     """What one model of the family is made of, for :func:`check_model`."""
 
-    #: attribute -> (the block class fused, classes kept running their own forward)
+    #: attribute -> the block classes it may hold (every one has a fused forward)
     blocks: dict[str, tuple[type, ...]]
     processor: type  # diffusers' attention processor the blocks must have
     relied_on: Callable[[], dict[str, tuple[Callable[..., Any], dict[str, str]]]]
@@ -368,8 +345,11 @@ def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanV
                 names = " or ".join(c.__name__ for c in classes)
                 problems.append(f"{where} is a {type(block).__name__}, not {names}")
                 continue
-            found = _attention_problems(block, where, double, spec.processor)
-            if type(block) is classes[0]:
+            found = attention_problems(block, where, double, spec.processor)
+            if type(block).__name__.startswith("HunyuanVideoTokenReplace"):
+                found += token_replace.norm_problems(block, where, double)
+                found += [w for w in [forward_wrapper_problem(block, where)] if w]
+            else:
                 found += _block_problems(block, where, double)
             problems += found
             if found:
