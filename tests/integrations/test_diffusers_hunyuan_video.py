@@ -348,16 +348,21 @@ def estimates() -> list:
     hook.remove()
 
 
-@pytest.mark.parametrize("batch", [1, 2])
+@pytest.mark.parametrize(("batch", "norms"), [(1, True), (2, True), (1, False)])
 def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
-    batch: int, estimates: list
+    batch: int, norms: bool, estimates: list
 ) -> None:
+    """Sparse from step 1; with ``norms=False`` the sparse steps run diffusers' own q/k
+    norms and rotation, dense steps its own processor."""
     model = tiny_hunyuan()
     x = inputs(batch=batch, **SPARSE_VIDEO)
     later = {**x, "timestep": torch.tensor([400] * batch)}
     ref, ref_later = run(model, **x), run(model, **later)
     cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
-    ditops.patch(model, precision="exact", attention=cfg)
+    report = ditops.patch(model, precision="exact", norms=norms, attention=cfg)
+    summary = report.models["HunyuanVideoTransformer3DModel"]
+    assert summary["sparse self-attentions"] == 4
+    assert summary.get("fused blocks", 0) == (4 if norms else 0)
     assert torch.equal(run(model, "cond", **x), ref)  # step 0: dense, bitwise
     assert estimates == []
     sparse = run(model, "cond", **later)  # step 1 (its timestep is lower): sparse
