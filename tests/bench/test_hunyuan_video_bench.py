@@ -59,3 +59,22 @@ def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -
     assert "== hunyuan_video (small): 8 video + 4 text tokens (1 padded)" in capsys.readouterr().out
     payload = json.loads(path.read_text())
     assert payload["hunyuan_video"]["dtype"] == "float32"
+
+
+def test_video_scaling_measures_each_length_and_projects(capsys) -> None:
+    from ditops.bench import video_scaling
+
+    result = video_scaling.run(
+        torch.device("cpu"), (64, 128), text_tokens=4, block_size=16, frame=(8, 8),
+        dtype=torch.float32, progress=False, **TINY,
+    )  # fmt: skip
+    rows = result["rows"]
+    assert [r["video_tokens"] for r in rows] == [64, 128]  # frames of 4 x 4 tokens
+    assert all(0 < r["attention_share"] < 1 and r["attention_speedup"] > 0 for r in rows)
+    proj = result["projection"]
+    assert [p["video_tokens"] for p in proj] == [52470, 118800]
+    # attention grows as N^2, the rest as N: its share rises with the video
+    assert 0 < proj[0]["attention_share"] < proj[1]["attention_share"] < 1
+    video_scaling.print_report(result)
+    assert "PROJECTION, not a measurement" in capsys.readouterr().out
+    json.dumps(result)
