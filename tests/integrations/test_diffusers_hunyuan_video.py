@@ -230,6 +230,23 @@ def test_an_attention_with_hooks_on_its_q_norm_keeps_diffusers_prologue() -> Non
     assert seen == [1]
 
 
+def test_leaf_level_group_offloading_before_the_patch() -> None:
+    """diffusers' leaf-level group offloading hooks every module with weights: the q/k
+    norms' hooks keep diffusers' prologue (the fused one would read the weights without
+    onloading them); the blocks' norms have no weights, no hooks: they fuse."""
+    model = tiny_hunyuan()
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    cpu = torch.device("cpu")
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    report = ditops.patch(model, precision="exact")
+    assert report.models["HunyuanVideoTransformer3DModel"] == {
+        "fused blocks": 4,
+        "fused output norm": 1,
+    }
+    assert torch.equal(run(model, **x), ref)
+
+
 def _swap_block_class(model: nn.Module) -> None:
     from diffusers.models.transformers.transformer_hunyuan_video import (
         HunyuanVideoTransformerBlock,
