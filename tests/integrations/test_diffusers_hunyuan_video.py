@@ -461,3 +461,35 @@ def test_sparse_refuses_a_mask_on_video_keys() -> None:
         _text_keys_kept(mask, 1, 10, 6, mask.device)
     with pytest.raises(ValueError, match="boolean key mask"):
         _text_keys_kept(mask.float(), 1, 10, 6, mask.device)
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
+    dispatched as CUDA; strict: a fall back would raise), fast precision, against the
+    unpatched model: the GPU code path, diffusers' RMSNorm convention included."""
+    from ditops import config
+    from ditops.custom_op import reset_state
+    from ditops.layers import adaln, qk_norm_rope
+    from tests.integrations.spies import install_spies
+
+    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+                   qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)  # fmt: skip
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert used == {
+        "adaln_modulate": 2 + 1 + 1,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 2 + 1,
+        "qk_norm_rope": 2,
+        "rms_norm": 4,
+    }
+    assert rel_err(out, ref) <= FAST_REL_TOL
