@@ -173,7 +173,7 @@ def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
         assert torch.equal(run(model, **x), ref)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
 def test_i2v_token_replace_blocks_fused_bitwise(dtype: str, cpu_paths: dict[str, int]) -> None:
     """The first frame's tokens modulated and gated by the token-replace embedding: each
     op on the two row ranges (video and, single-stream, text after the first frame)."""
@@ -292,6 +292,19 @@ def test_models_it_was_not_written_for_are_refused_whole(change, fragment: str) 
         ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
     assert not hasattr(model, "_ditops_patch")
     assert [(type(m), vars(m).get("forward")) for m in model.modules()] == before
+
+
+def test_a_token_replace_norm_it_was_not_written_for_is_refused() -> None:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    model = tiny_hunyuan(image_condition_type="token_replace")
+    model.transformer_blocks[0].norm1.norm = FP32LayerNorm(32, elementwise_affine=False)
+    with pytest.raises(
+        PatchError,
+        match=r"transformer_blocks\[0\].norm1 is not a HunyuanVideoTokenReplaceAdaLayerNormZero",
+    ):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
 
 
 def test_another_diffusers_version_is_refused_by_fingerprint(
