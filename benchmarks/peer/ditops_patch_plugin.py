@@ -1,10 +1,12 @@
 """pytest plugin: every Wan / FLUX transformer diffusers' tests build is ditops-patched
 (exact precision) as soon as it is constructed."""
+
 import functools
 import os
 
-import ditops
 from diffusers import FluxTransformer2DModel, WanTransformer3DModel
+
+import ditops
 
 PRECISION = os.environ.get("DITOPS_PEER_PRECISION", "exact")
 SPARSE = os.environ.get("DITOPS_PEER_SPARSE")
@@ -19,7 +21,9 @@ def _wrap(cls):
         if type(self) is cls:
             opts = {"precision": PRECISION}
             if SPARSE and cls is WanTransformer3DModel:
-                opts["attention"] = ditops.BlockSparseConfig(sparsity=float(SPARSE), block_size=16, stride=4)
+                opts["attention"] = ditops.BlockSparseConfig(
+                    sparsity=float(SPARSE), block_size=16, stride=4
+                )
             ditops.patch(self, **opts)
 
     cls.__init__ = init
