@@ -107,11 +107,12 @@ def _bench(args: argparse.Namespace) -> int:
         return _bench_parallel(args)
     suites = all_suites()
     names = args.suites or ["wan"]
-    unknown = [n for n in names if n not in suites and n not in ("wan", "flux")]
+    models = ("wan", "flux", "hunyuan_video")
+    unknown = [n for n in names if n not in suites and n not in models]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: wan, flux, {', '.join(sorted(suites))}",
+            f"available: {', '.join(models)}, {', '.join(sorted(suites))}",
             file=sys.stderr,
         )
         return 2
@@ -145,6 +146,12 @@ def _bench(args: argparse.Namespace) -> int:
             from ditops.bench import flux
 
             payload["flux"] = flux.cli(device, args.size, not args.no_progress)
+            continue
+        if name == "hunyuan_video":  # a small HunyuanVideo model end to end (needs diffusers)
+            from ditops.bench import hunyuan_video
+
+            dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+            payload[name] = hunyuan_video.cli(device, args.size, not args.no_progress, dtype)
             continue
         suite = suites[name]
         where = f", malloc {malloc}" if malloc else ""
@@ -312,8 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
         "suites",
         nargs="*",
         help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
-        "layer_norm, modulation, attention, masks (the mask estimation methods against "
-        "oracles), qk_norm_rope",
+        "hunyuan_video (a small HunyuanVideo model, sparse variants), layer_norm, "
+        "modulation, attention, masks (the mask estimation methods against oracles), "
+        "qk_norm_rope",
     )
     bench.add_argument(
         "--size",

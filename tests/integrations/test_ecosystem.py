@@ -172,6 +172,27 @@ def test_every_cache_hook_gives_the_unpatched_model_with_it(
         assert torch.equal(g, w)
 
 
+@pytest.mark.parametrize("family", ["wan", "flux"])
+def test_faster_cache_fails_alike_patched_and_unpatched(family: str) -> None:
+    """FasterCache is out of the table above: on these tiny models its hooks fail unpatched
+    (they expect batched classifier-free guidance inputs); patched, it fails the same way."""
+    from diffusers import FasterCacheConfig
+
+    def attempt(patched: bool) -> str:
+        model, x = BUILD[family]()
+        if patched:
+            ditops.patch(model, precision="exact")
+        model.enable_cache(FasterCacheConfig(
+            spatial_attention_block_skip_range=2, spatial_attention_timestep_skip_range=(-1, 1000),
+            current_timestep_callback=lambda: 500, is_guidance_distilled=True))  # fmt: skip
+        with pytest.raises(TypeError) as err:
+            for s in range(3):
+                run(model, x, step=s)
+        return str(err.value)
+
+    assert attempt(True) == attempt(False)
+
+
 # --- loaders that rebuild processors -----------------------------------------------------------
 
 

@@ -37,6 +37,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.nn.modules import module as _torch_module
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.config import PRECISIONS
@@ -300,22 +301,21 @@ def attached_to(module: nn.Module) -> str | None:
     model offload) or a forward replaced on the instance."""
     if module._forward_pre_hooks or module._forward_hooks:
         return "a torch forward hook"
-    registry = getattr(module, "_diffusers_hook", None)
+    own = module.__dict__  # not getattr: nn.Module's __getattr__ raises for absent names
+    registry = own.get("_diffusers_hook")
     if registry is not None and getattr(registry, "hooks", None):
         return f"diffusers hooks ({', '.join(registry.hooks)})"
-    hf_hook = getattr(module, "_hf_hook", None)
+    hf_hook = own.get("_hf_hook")
     if hf_hook is not None:
         return f"an accelerate hook ({type(hf_hook).__name__})"
-    forward = module.__dict__.get("forward")
+    forward = own.get("forward")
     if forward is not None and not getattr(getattr(forward, "func", None), "_ditops_forward", 0):
         return "a forward replaced on the instance"
     return None
 
 
 def _global_hooks() -> bool:
-    from torch.nn.modules import module as torch_module
-
-    return bool(torch_module._global_forward_hooks or torch_module._global_forward_pre_hooks)
+    return bool(_torch_module._global_forward_hooks or _torch_module._global_forward_pre_hooks)
 
 
 @dataclass(frozen=True)

@@ -392,7 +392,8 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
     problems: list[str] = []
     if options.attention is not None:
         raise PatchError(
-            "sparse attention is supported for WanTransformer3DModel, not for "
+            "sparse attention is supported for WanTransformer3DModel and "
+            "HunyuanVideo(15)Transformer3DModel, not for "
             f"{type(model).__name__}; call patch(..., attention=None) to patch its blocks only"
         )
     plan = FluxPlan()

@@ -1,9 +1,10 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, then
-the generic norm swap), has it check the model (a model that does not match what the patch
-expects is refused whole, nothing changed) and apply the patch, recording every change
-on the model (``model._ditops_patch``, see :mod:`ditops.integrations.base`).
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
+HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+model that does not match what the patch expects is refused whole, nothing changed) and
+apply the patch, recording every change on the model (``model._ditops_patch``, see
+:mod:`ditops.integrations.base`).
 
 Calling :func:`patch` again combines: options given in the new call replace the ones in
 force, options left out keep their value, so ``patch(m, precision="exact")`` then
@@ -22,13 +23,21 @@ from torch import nn
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.base import ModelFamily, PatchError, PatchOptions, PatchRecord
 from ditops.integrations.flux import FluxFamily
+from ditops.integrations.hunyuan_video import HunyuanVideoFamily
+from ditops.integrations.hunyuan_video15 import HunyuanVideo15Family
 from ditops.integrations.norms import GenericFamily
 from ditops.integrations.wan import WanFamily
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
-FAMILIES: tuple[ModelFamily, ...] = (WanFamily(), FluxFamily(), GenericFamily())
+FAMILIES: tuple[ModelFamily, ...] = (
+    WanFamily(),
+    FluxFamily(),
+    HunyuanVideoFamily(),
+    HunyuanVideo15Family(),
+    GenericFamily(),
+)
 
 
 class _Unset:
@@ -110,10 +119,11 @@ def patch(
     Args:
         target: a model (``nn.Module``, or ``torch.compile``'s wrapper of one) or a
             pipeline (its ``transformer*`` components).
-        norms: swap norms and, on Wan and FLUX, fuse each block's modulation chain (and
-            FLUX's attention prologue) (default True).
+        norms: swap norms and, on Wan, FLUX and HunyuanVideo(-1.5), fuse each block's
+            modulation chain and attention prologue (default True).
         attention: ``None`` (dense attention as it is; the default) or a
-            :class:`ditops.BlockSparseConfig` for Wan self-attention.
+            :class:`ditops.BlockSparseConfig` for Wan's and HunyuanVideo(-1.5)'s
+            self-attention.
         precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION`` per
             call; the default).
 

@@ -14,6 +14,13 @@ the original module): a deep copy of the model tracks its own steps, and it pick
 Outside a pipeline, wrap calls in ``model.cache_context("cond", step_index=i)`` yourself,
 or call :func:`set_step`. With no step known, the schedule treats the call as dense
 (never sparse by accident).
+
+Some pipelines (``HunyuanVideoPipeline``, ``HunyuanVideo15Pipeline`` in diffusers 0.42)
+enter ``cache_context(name)`` without a step index. For their families the state counts
+steps itself (``count_steps``): per branch, a call whose timestep is below the branch's
+previous one is the next step, any other call starts a new count at 0 (a new pipeline
+call: their schedulers' timesteps fall strictly within one). A step index given by the
+pipeline or :func:`set_step` wins.
 """
 
 from __future__ import annotations
@@ -56,27 +63,40 @@ class StepState:
     progress in a copy).
     """
 
-    def __init__(self, patch_size: tuple[int, ...] = (1, 2, 2)) -> None:
+    def __init__(self, patch_size: tuple[int, ...] = (1, 2, 2), count_steps: bool = False) -> None:
         self.manual: int | None = None
         self.patch_size = patch_size
+        self.count_steps = count_steps  # count steps from timesteps (see the module docstring)
         self._local = threading.local()
 
     step = _PerThread()
     branch = _PerThread()
     latent_shape = _PerThread()
+    counted = _PerThread()  # the step counted from timesteps (count_steps)
 
     def current(self) -> int | None:
-        return self.manual if self.manual is not None else self.step
+        if self.manual is not None:
+            return self.manual
+        return self.step if self.step is not None else self.counted
+
+    def count(self, timestep: float) -> None:
+        """Count the step of a call with this timestep (see the module docstring); per
+        thread, like the step."""
+        seen: dict[str | None, tuple[float, int]] = self._local.__dict__.setdefault("seen", {})
+        last = seen.get(self.branch)
+        step = last[1] + 1 if last is not None and timestep < last[0] else 0
+        seen[self.branch] = (timestep, step)
+        self.counted = step
 
     def __getstate__(self) -> dict[str, Any]:
-        return {"manual": self.manual, "patch_size": self.patch_size}
+        return {"manual": self.manual, "patch_size": self.patch_size, "count": self.count_steps}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__init__(state["patch_size"])  # type: ignore[misc]
+        self.__init__(state["patch_size"], state.get("count", False))  # type: ignore[misc]
         self.manual = state["manual"]
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StepState:
-        twin = StepState(self.patch_size)
+        twin = StepState(self.patch_size, self.count_steps)
         twin.manual = self.manual
         return twin
 
@@ -114,7 +134,8 @@ class StepTrackingCacheContext:
 
 
 class LatentShapeRecorder:
-    """Forward pre-hook: the shape of the 5-D latent video a call brings."""
+    """Forward pre-hook: the shape of the 5-D latent video a call brings (and, for a
+    state that counts steps, the call's timestep)."""
 
     def __init__(self, state: StepState) -> None:
         self.state = state
@@ -123,6 +144,12 @@ class LatentShapeRecorder:
         latents = kwargs.get("hidden_states", args[0] if args else None)
         if isinstance(latents, torch.Tensor) and latents.dim() == 5:
             self.state.latent_shape = tuple(latents.shape)
+        timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
+        if self.state.count_steps:
+            if isinstance(timestep, torch.Tensor) and timestep.numel():
+                self.state.count(float(timestep.flatten()[0]))
+            else:
+                self.state.counted = None
 
 
 def track_steps(model: nn.Module, state: StepState, record: PatchRecord) -> None:

@@ -1,0 +1,312 @@
+"""Benchmark suite ``hunyuan_video`` of ``ditops bench``: a small HunyuanVideo model end to end.
+
+A ``HunyuanVideoTransformer3DModel`` built from keyword arguments (random weights, no
+download) with HunyuanVideo's geometry (head dim 128, patch 2, rope axes (16, 56, 56),
+guidance embedding, text last with padding) runs one forward under each variant:
+
+* ``unpatched``: diffusers as it is;
+* ``exact``: ``ditops.patch(model, precision="exact")`` (bitwise the unpatched model);
+* ``sparse 0.5`` / ``sparse 0.75``: exact norms and block-sparse video self-attention at
+  that sparsity (text rows and columns dense, the first frame dense).
+
+The variants take turns (A, B, C, D, A, ...) for ``rounds`` rounds after one untimed call
+each, so a slow spell of a shared machine lands on all of them; per variant: the median
+seconds per forward, the seconds inside the attention modules (forward hooks), the median
+of the per-round ratios to ``unpatched`` (whole forward and attention alone), the block
+density asked for and realised (the estimator's masks), and the drift of the output from
+the unpatched one (max abs relative to its peak, cosine, PSNR).
+
+``size``: ``small`` is 4 heads of 128, one block of each kind, 13 latent frames of 16 x 24
+tokens (4992 video tokens) and 64 text tokens (16 padded); ``full`` is HunyuanVideo's
+width (24 heads) at 33 latent frames of 30 x 40 tokens (39600), for GPUs. ``dtype`` None:
+bf16, or fp32 on a CPU whose bf16 matmuls are a slow fallback.
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from typing import Any
+
+import torch
+
+BASE_CONFIG: dict[str, Any] = {
+    "in_channels": 16,
+    "out_channels": 16,
+    "attention_head_dim": 128,
+    "patch_size": 2,
+    "patch_size_t": 1,
+    "rope_axes_dim": (16, 56, 56),
+    "guidance_embeds": True,
+    "pooled_projection_dim": 768,
+    "num_refiner_layers": 1,
+}
+SIZES: dict[str, dict[str, Any]] = {
+    "small": {
+        "config": {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 4,
+                   "text_embed_dim": 256},
+        "latent": (13, 32, 48),  # frames, height, width: 13 x 16 x 24 tokens
+        "text_tokens": 64,
+        "rounds": 3,
+    },
+    "full": {
+        "config": {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 24,
+                   "text_embed_dim": 4096},
+        "latent": (33, 60, 80),
+        "text_tokens": 256,
+        "rounds": 3,
+    },
+}  # fmt: skip
+SPARSITIES = (0.5, 0.75)
+
+
+def _variants(block_size: int) -> list[tuple[str, dict[str, Any]]]:
+    from ditops.attention.schedule import BlockSparseConfig
+
+    out: list[tuple[str, dict[str, Any]]] = [("unpatched", {}), ("exact", {"attention": None})]
+    for s in SPARSITIES:
+        cfg = BlockSparseConfig(sparsity=s, block_size=block_size, stride=min(8, block_size))
+        out.append((f"sparse {s}", {"attention": cfg}))
+    return out
+
+
+def default_dtype(device: torch.device) -> torch.dtype:
+    from ditops.platform import cpu_half_matmuls_slow
+
+    return torch.float32 if device.type == "cpu" and cpu_half_matmuls_slow() else torch.bfloat16
+
+
+def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
+    from diffusers import HunyuanVideoTransformer3DModel
+
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = HunyuanVideoTransformer3DModel(**config)
+    return model.to(dtype).eval()
+
+
+def make_inputs(
+    config: dict[str, Any],
+    latent: tuple[int, int, int],
+    text_tokens: int,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> dict[str, torch.Tensor]:
+    """Latents, text with its last quarter padded, pooled text, timestep, guidance."""
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    mask = torch.ones(1, text_tokens, dtype=torch.int64)
+    mask[:, text_tokens - text_tokens // 4 :] = 0
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
+    return {
+        "hidden_states": rand(1, config["in_channels"], *latent),
+        "timestep": torch.tensor([900], device=device),
+        "encoder_hidden_states": rand(1, text_tokens, config["text_embed_dim"]),
+        "encoder_attention_mask": mask.to(device),
+        "pooled_projections": rand(1, config["pooled_projection_dim"]),
+        "guidance": torch.tensor([6000.0], device=device, dtype=dtype),
+    }
+
+
+class _Probe:
+    """Seconds inside the attention modules and the densities of the estimated masks."""
+
+    def __init__(self, model: Any, device: torch.device) -> None:
+        from ditops.bench.harness import _sync
+        from ditops.layers.attention import estimate_block_mask
+
+        self.seconds = 0.0
+        self.densities: list[float] = []
+        start = [0.0]
+
+        def pre(*_: Any) -> None:
+            _sync(device)
+            start[0] = time.perf_counter()
+
+        def post(*_: Any) -> None:
+            _sync(device)
+            self.seconds += time.perf_counter() - start[0]
+
+        def estimated(_m: Any, _a: Any, out: Any) -> None:
+            mask, counts = out
+            self.densities.append(float(counts.float().mean()) / int(mask.shape[-1]))
+
+        blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        self._handles = [
+            h
+            for b in blocks
+            for h in (b.attn.register_forward_pre_hook(pre), b.attn.register_forward_hook(post))
+        ]
+        self._handles.append(estimate_block_mask.register_forward_hook(estimated))  # fmt: skip
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+def _forward(model: Any, x: dict[str, torch.Tensor], device: torch.device) -> tuple[Any, float]:
+    from ditops.bench.harness import _sync
+
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(**x, return_dict=False)[0]
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+
+def run(
+    device: torch.device,
+    size: str = "small",
+    *,
+    rounds: int | None = None,
+    latent: tuple[int, int, int] | None = None,
+    text_tokens: int | None = None,
+    block_size: int = 128,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Time every variant, interleaved; returns the config, per-round times and a summary.
+
+    ``rounds``, ``latent`` (frames, height, width of the latent video), ``text_tokens`` and
+    ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
+    entries of the model config.
+    """
+    from ditops.bench.harness import Progress, drift
+    from ditops.integrations import patch, unpatch
+
+    if size not in SIZES:
+        raise ValueError(f"hunyuan_video bench: size must be one of {sorted(SIZES)}, got {size!r}")
+    spec = SIZES[size]
+    config = {**BASE_CONFIG, **spec["config"], **overrides}
+    rounds = spec["rounds"] if rounds is None else rounds
+    latent = spec["latent"] if latent is None else latent
+    n_text = spec["text_tokens"] if text_tokens is None else text_tokens
+    dtype = default_dtype(device) if dtype is None else dtype
+    model = build_model(device, dtype, **config)
+    x = make_inputs(config, latent, n_text, device, dtype)
+    variants = _variants(block_size)
+    times: dict[str, list[float]] = {name: [] for name, _ in variants}
+    attn: dict[str, list[float]] = {name: [] for name, _ in variants}
+    densities: dict[str, list[float]] = {name: [] for name, _ in variants}
+    outputs: dict[str, torch.Tensor] = {}
+    bar = Progress(len(variants) * (rounds + 1), "hunyuan_video", progress)
+
+    def use(options: dict[str, Any]) -> None:
+        unpatch(model)
+        if options:
+            patch(model, precision="exact", **options)
+
+    try:
+        for name, options in variants:  # untimed: first-touch allocations, plans
+            bar.step(f"{name} warm-up")
+            use(options)
+            outputs[name] = _forward(model, x, device)[0]
+        for r in range(rounds):
+            for name, options in variants:
+                bar.step(f"{name} round {r}")
+                use(options)
+                probe = _Probe(model, device)
+                try:
+                    _, seconds = _forward(model, x, device)
+                finally:
+                    probe.remove()
+                times[name].append(seconds)
+                attn[name].append(probe.seconds)
+                densities[name] += probe.densities
+    finally:
+        bar.close()
+        unpatch(model)
+    peak = float(outputs["unpatched"].double().abs().max()) or 1.0
+    summary = []
+    for name, options in variants:
+        max_abs, cosine, psnr = drift(outputs[name], outputs["unpatched"])
+        cfg = options.get("attention")
+        summary.append(
+            {
+                "variant": name,
+                "median_seconds": statistics.median(times[name]),
+                "median_attention_seconds": statistics.median(attn[name]),
+                "speedup": statistics.median(
+                    u / t for u, t in zip(times["unpatched"], times[name])
+                ),
+                "attention_speedup": statistics.median(
+                    u / t for u, t in zip(attn["unpatched"], attn[name])
+                ),
+                "requested_density": None if cfg is None else 1 - cfg.sparsity,
+                "realised_density": (
+                    statistics.fmean(densities[name]) if densities[name] else None
+                ),
+                "max_rel": max_abs / peak,
+                "cosine": cosine,
+                "psnr_db": psnr,
+                "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
+            }
+        )
+    frames, h, w = latent
+    p = config["patch_size"]
+    return {
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
+        "size": size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "video_tokens": frames // config["patch_size_t"] * (h // p) * (w // p),
+        "text_tokens": n_text,
+        "padded_text_tokens": n_text // 4,
+        "block_size": block_size,
+        "rounds": rounds,
+        "seconds": times,
+        "attention_seconds": attn,
+        "summary": summary,
+    }
+
+
+def _f(v: float | None, spec: str) -> str:
+    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+
+
+def print_report(result: dict[str, Any], out: Any = None) -> None:
+    out = sys.stdout if out is None else out
+    cfg = result["config"]
+    print(
+        f"\n== hunyuan_video ({result['size']}): {result['video_tokens']} video + "
+        f"{result['text_tokens']} text tokens ({result['padded_text_tokens']} padded), "
+        f"{cfg['num_attention_heads']} heads of {cfg['attention_head_dim']}, "
+        f"{cfg['num_layers']} double + {cfg['num_single_layers']} single blocks, "
+        f"{result['dtype']}, blocks of {result['block_size']}, {result['rounds']} "
+        "interleaved rounds",
+        file=out,
+    )
+    print(
+        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
+        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
+        file=out,
+    )
+    for s in result["summary"]:
+        print(
+            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
+            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
+            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
+            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
+            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
+            file=out,
+        )
+    print(
+        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
+        "and of the attention modules to unpatched; asked/run: block density of the video "
+        "queries' maps, forced blocks included; drift against the unpatched output)",
+        file=out,
+    )
+
+
+def cli(
+    device: torch.device, size: str, progress: bool, dtype: torch.dtype | None = None
+) -> dict[str, Any]:
+    """``ditops bench hunyuan_video``: run and print (stderr: what runs; stdout: the report)."""
+    print(
+        f"ditops bench: hunyuan_video (a small HunyuanVideo config) on {device}, size {size}",
+        file=sys.stderr,
+    )
+    result = run(device, size, progress=progress, dtype=dtype)
+    print_report(result)
+    return result

@@ -1,0 +1,182 @@
+"""How a HunyuanVideo forward's cost grows with the video, and what sparse attention buys.
+
+``python -m ditops.bench.video_scaling [--tokens 8192 16384 32768] [--sparsity 0.75]``
+builds a one-block HunyuanVideo-geometry model (one double-stream block, head dim 128,
+4 heads; :mod:`ditops.bench.hunyuan_video`'s small config otherwise) and, per video length
+(latent frames of 16 x 24 tokens, the nearest whole number of frames), times unpatched
+and ``exact`` + block-sparse attention in turns: the forward, the attention module (q/k/v
+projections, prologue, attention, output projections) and its share of the forward.
+
+Then a **projection, not a measurement**: the unpatched attention time is fitted as
+``a * N^2`` and the rest as ``b * N`` (least squares over the lengths measured), the
+sparse attention module's speedup is taken from the longest length measured, and
+Amdahl's law gives the forward's speedup at HunyuanVideo's 480p and 720p token counts
+(129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+from typing import Any
+
+import torch
+
+from ditops.bench import hunyuan_video as hv
+
+FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
+#: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
+TARGETS = {"480p (848x480)": 33 * 30 * 53, "720p (1280x720)": 33 * 45 * 80}
+
+
+def _fit(ns: list[int], ts: list[float], power: int) -> float:
+    """Least-squares ``c`` of ``t = c * n^power``."""
+    return sum(t * n**power for n, t in zip(ns, ts)) / sum(n ** (2 * power) for n in ns)
+
+
+def run(
+    device: torch.device,
+    tokens: tuple[int, ...] = (8192, 16384, 32768),
+    *,
+    sparsity: float = 0.75,
+    rounds: int = 1,
+    text_tokens: int = 64,
+    block_size: int = 128,
+    frame: tuple[int, int] = FRAME,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    **overrides: Any,
+) -> dict[str, Any]:
+    from ditops.attention.schedule import BlockSparseConfig
+    from ditops.bench.harness import Progress
+    from ditops.integrations import patch, unpatch
+
+    dtype = hv.default_dtype(device) if dtype is None else dtype
+    config = {**hv.BASE_CONFIG, **hv.SIZES["small"]["config"], "num_single_layers": 0,
+              **overrides}  # fmt: skip
+    model = hv.build_model(device, dtype, **config)
+    per_frame = (frame[0] // config["patch_size"]) * (frame[1] // config["patch_size"])
+    sparse_cfg = BlockSparseConfig(sparsity=sparsity, block_size=block_size)
+    variants: list[tuple[str, BlockSparseConfig | None]] = [
+        ("unpatched", None),
+        ("sparse", sparse_cfg),
+    ]
+    bar = Progress(len(tokens) * len(variants) * (rounds + 1), "video_scaling", progress)
+    rows = []
+    try:
+        for wanted in tokens:
+            frames = max(1, round(wanted / per_frame))
+            x = hv.make_inputs(config, (frames, *frame), text_tokens, device, dtype)
+            fwd: dict[str, list[float]] = {n: [] for n, _ in variants}
+            attn: dict[str, list[float]] = {n: [] for n, _ in variants}
+            for r in range(-1, rounds):  # round -1: untimed warm-up
+                for name, cfg in variants:
+                    bar.step(f"{frames * per_frame} tokens, {name}, round {r}")
+                    unpatch(model)
+                    if cfg is not None:
+                        patch(model, precision="exact", attention=cfg)
+                    probe = hv._Probe(model, device)
+                    try:
+                        _, seconds = hv._forward(model, x, device)
+                    finally:
+                        probe.remove()
+                    if r >= 0:
+                        fwd[name].append(seconds)
+                        attn[name].append(probe.seconds)
+            f_u, a_u = statistics.median(fwd["unpatched"]), statistics.median(attn["unpatched"])
+            f_s, a_s = statistics.median(fwd["sparse"]), statistics.median(attn["sparse"])
+            rows.append({
+                "video_tokens": frames * per_frame, "frames": frames,
+                "forward_s": f_u, "attention_s": a_u, "attention_share": a_u / f_u,
+                "sparse_forward_s": f_s, "sparse_attention_s": a_s,
+                "attention_speedup": a_u / a_s, "forward_speedup": f_u / f_s,
+            })  # fmt: skip
+    finally:
+        bar.close()
+        unpatch(model)
+    return {
+        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
+        "dtype": str(dtype).replace("torch.", ""),
+        "sparsity": sparsity,
+        "text_tokens": text_tokens,
+        "rounds": rounds,
+        "rows": rows,
+        "projection": project(rows),
+    }
+
+
+def project(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Amdahl's law at :data:`TARGETS` from the fitted costs (see the module docstring)."""
+    ns = [r["video_tokens"] for r in rows]
+    a = _fit(ns, [r["attention_s"] for r in rows], 2)
+    b = _fit(ns, [r["forward_s"] - r["attention_s"] for r in rows], 1)
+    speedup = max(rows, key=lambda r: r["video_tokens"])["attention_speedup"]
+    out = []
+    for label, n in TARGETS.items():
+        share = a * n * n / (a * n * n + b * n)
+        out.append({
+            "target": label, "video_tokens": n, "attention_share": share,
+            "attention_speedup": speedup,
+            "forward_speedup": 1 / ((1 - share) + share / speedup),
+        })  # fmt: skip
+    return out
+
+
+def print_report(result: dict[str, Any], out: Any = None) -> None:
+    out = sys.stdout if out is None else out
+    cfg = result["config"]
+    print(
+        f"\n== video scaling (HunyuanVideo geometry, 1 double-stream block, "
+        f"{cfg['num_attention_heads']} heads of {cfg['attention_head_dim']}, {result['dtype']}, "
+        f"+{result['text_tokens']} text tokens; sparse: exact + sparsity {result['sparsity']}, "
+        f"{result['rounds']} round(s)) -- measured",
+        file=out,
+    )
+    print(f"{'video tokens':>12} {'s/forward':>9} {'attn s':>7} {'attn share':>10} "
+          f"{'sparse attn s':>13} {'x attn':>6} {'x forward':>9}", file=out)  # fmt: skip
+    for r in result["rows"]:
+        print(
+            f"{r['video_tokens']:>12} {r['forward_s']:>9.2f} {r['attention_s']:>7.2f} "
+            f"{r['attention_share']:>10.2f} {r['sparse_attention_s']:>13.2f} "
+            f"{r['attention_speedup']:>6.2f} {r['forward_speedup']:>9.2f}",
+            file=out,
+        )
+    print(
+        "-- PROJECTION, not a measurement: attention a*N^2 and the rest b*N fitted above, "
+        "the attention speedup of the longest video measured, Amdahl's law:",
+        file=out,
+    )
+    for p in result["projection"]:
+        print(
+            f"{p['target']:>16}: {p['video_tokens']} video tokens, attention share "
+            f"{p['attention_share']:.2f}, x attention {p['attention_speedup']:.2f} -> "
+            f"x forward {p['forward_speedup']:.2f}",
+            file=out,
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m ditops.bench.video_scaling")
+    parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
+    parser.add_argument("--sparsity", type=float, default=0.75)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--json", default=None)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    from ditops.bench.harness import machine_info, write_json
+
+    device = torch.device(args.device)
+    dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+    result = run(device, tuple(args.tokens), sparsity=args.sparsity, rounds=args.rounds,
+                 dtype=dtype, progress=not args.no_progress)  # fmt: skip
+    print_report(result)
+    if args.json:
+        write_json(args.json, {"machine": machine_info(device), **result})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,403 @@
+"""HunyuanVideo's joint attention on ditops' ops: the fused q/k prologue and sparse attention.
+
+``HunyuanVideoAttnProcessor2_0`` (diffusers 0.42) attends over ``cat([video, text])``:
+
+* single-stream blocks (no ``add_q_proj``): q/k/v projected from the concatenation,
+  ``norm_q``/``norm_k`` (diffusers' ``RMSNorm`` per head) on every row, the rotary
+  embedding on the video rows only (``apply_rotary_emb``, interleaved pairs, fp32);
+* double-stream blocks: the video tokens' q/k normed and rotated, the text tokens' own
+  projections normed by ``norm_added_q``/``norm_added_k`` (not rotated), text last;
+
+then one attention with the model's ``[B, 1, 1, N]`` key mask (padded text tokens are
+masked as keys; every query row attends). HunyuanVideo-1.5's processor
+(``HunyuanVideo15AttnProcessor2_0``, double-stream blocks only) is the same but for the
+mask: it is given the ``[B, text]`` text mask and masks padded text as keys *and* as
+queries (``[B, 1, N, N]``). :class:`HunyuanVideoAttnProcessor` runs the
+same: ``qk_norm_rope`` (``convention="diffusers"``) on the video rows, ``rms_norm`` on the
+text rows, and diffusers' ``dispatch_attention_fn`` with the mask: in exact precision
+bitwise what the original computes (a norm row does not see the other rows).
+
+Sparse steps (``attention=BlockSparseConfig(...)``) split the attention by queries:
+
+* text queries over every key: dense, with the model's mask (as diffusers does);
+* video queries over ``[valid text keys, video keys]`` block-sparse: per sample, the text
+  keys the mask keeps (padded ones are left out, so they are masked exactly) are put
+  *first*, so that the estimator's leading ``dense_blocks`` cover them as dense columns
+  together with the first frame's keys (``ceil((text + frame) / block) `` blocks: the
+  block that straddles the two, and as many leading query block rows, run dense too: a
+  superset of what is asked, counted in the density). Softmax does not depend on the
+  order of the keys, so this is the meaning of the joint attention with the video part
+  block-sparse. Each sample's mask is kept for reuse under its own branch name.
+
+Calls this was not written for (no rotary tables, tables other than ``[L, D]``, a mask
+other than the model's key mask on a sparse step) run the original processor or dense.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.base import Bypass, WrappingProcessor
+from ditops.integrations.steps import StepState
+
+
+class HunyuanOps:
+    """One set of op instances per patched model, carrying its precision (a plain object:
+    it deep-copies and pickles with the model)."""
+
+    def __init__(self, precision: str | None) -> None:
+        from ditops.layers import adaln, qk_norm_rope
+
+        self.modulate = adaln.AdaLNModulateOp()
+        self.residual = adaln.AdaLNResidualOp()
+        self.residual_modulate = adaln.AdaLNResidualModulateOp()
+        self.qk = qk_norm_rope.QKNormRopeOp()
+        self.rms = qk_norm_rope.RMSNormOp()
+        for op in (self.modulate, self.residual, self.residual_modulate, self.qk, self.rms):
+            op.precision = precision
+
+
+@functools.cache
+def _rms_norm_class() -> type:
+    from diffusers.models.normalization import RMSNorm
+
+    return RMSNorm
+
+
+def _prologue_bypass(attn: nn.Module) -> Bypass:
+    """The q/k norms the fused prologue computes without calling them."""
+    names = ["norm_q", "norm_k"]
+    if getattr(attn, "add_q_proj", None) is not None:
+        names += ["norm_added_q", "norm_added_k"]
+    return Bypass(tuple((name, _rms_norm_class()) for name in names))
+
+
+def _heads(attn: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return x.unflatten(2, (attn.heads, -1))
+
+
+class HunyuanVideoAttnProcessor(WrappingProcessor):
+    """``HunyuanVideoAttnProcessor2_0`` with the prologue on ditops' ops (``ops``, None:
+    diffusers' norms and rotation) and optional block-sparse attention (``sparse``).
+
+    ``text_mask``: HunyuanVideo-1.5's ``HunyuanVideo15AttnProcessor2_0``, which is given
+    the ``[B, text]`` text mask and makes the ``[B, 1, N, N]`` mask itself (padded text
+    masked as keys and as queries), with the same code as diffusers.
+
+    The attention backend and the parallel config live on the wrapped original (see
+    :class:`~ditops.integrations.base.WrappingProcessor`).
+    """
+
+    text_mask_default = False
+
+    def __init__(
+        self,
+        original: Any | None = None,
+        ops: HunyuanOps | None = None,
+        steps: StepState | None = None,
+        sparse: nn.Module | None = None,
+        text_mask: bool | None = None,
+    ) -> None:
+        if sparse is not None and steps is None:
+            raise ValueError("HunyuanVideoAttnProcessor: sparse attention needs the step state")
+        if original is None:  # built as diffusers' loaders build processors: type(p)()
+            original = self._diffusers_processor()
+        if text_mask is None:
+            text_mask = self.text_mask_default
+        super().__init__(original)
+        self.ops = ops
+        self.steps = steps
+        self.sparse = sparse
+        self.text_mask = text_mask
+
+    @staticmethod
+    def _diffusers_processor() -> Any:
+        from diffusers.models.transformers.transformer_hunyuan_video import (
+            HunyuanVideoAttnProcessor2_0,
+        )
+
+        return HunyuanVideoAttnProcessor2_0()
+
+    def _ops_now(self, attn: nn.Module) -> HunyuanOps | None:
+        """The ops for this call: None while the q/k norms are hooked or replaced (then
+        diffusers' norms run, as their hooks expect)."""
+        if self.ops is None or _prologue_bypass(attn).problem(attn) is not None:
+            return None
+        return self.ops
+
+    def _dense_now(self) -> bool:
+        if self.sparse is None or self.steps is None:
+            return True
+        step = self.steps.current()
+        if step is None and self.sparse.config.skip_first_steps > 0:
+            return True  # step unknown: never sparse by accident
+        return bool(self.sparse.config.dense_at(step))
+
+    def __call__(
+        self,
+        attn: nn.Module,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> Any:
+        dense = self._dense_now()
+        ops = self._ops_now(attn)
+        if (
+            encoder_hidden_states is None
+            or image_rotary_emb is None
+            or image_rotary_emb[0].dim() != 2
+            or (ops is None and dense)
+        ):
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
+        text = encoder_hidden_states.shape[1]
+        query, key, value = self._qkv(
+            attn, ops, hidden_states, encoder_hidden_states, image_rotary_emb
+        )
+        given = attention_mask
+        if self.text_mask:  # HunyuanVideo-1.5: the processor makes the [B, 1, N, N] mask
+            attention_mask = _self_attention_mask(given, *query.shape[:2])
+        if dense:
+            from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+            out = dispatch_attention_fn(
+                query,
+                key,
+                value,
+                attn_mask=attention_mask,
+                dropout_p=0.0,
+                is_causal=False,
+                backend=self._attention_backend,
+                parallel_config=self._parallel_config,
+            )
+        else:
+            batch, n = query.shape[:2]
+            if self.text_mask:
+                keep = _text_mask_of(given, batch, text)
+                rows = attention_mask[:, :, n - text :]
+            else:
+                keep = _text_keys_kept(attention_mask, batch, n, n - text, query.device)
+                rows = attention_mask
+            out = self._sparse_attention(query, key, value, keep, rows, text)
+        out = out.flatten(2, 3).to(query.dtype)
+        hidden_states, encoder_hidden_states = out[:, :-text], out[:, -text:]
+        if getattr(attn, "to_out", None) is not None:
+            hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
+        if getattr(attn, "to_add_out", None) is not None:
+            encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
+        return hidden_states, encoder_hidden_states
+
+    def _qkv(
+        self,
+        attn: nn.Module,
+        ops: HunyuanOps | None,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ``[B, video + text, H, D]``: normed, video rows rotated, text last."""
+        text = encoder_hidden_states.shape[1]
+        joint = attn.add_q_proj is None
+        x = torch.cat([hidden_states, encoder_hidden_states], dim=1) if joint else hidden_states
+        query, key, value = (_heads(attn, f(x)) for f in (attn.to_q, attn.to_k, attn.to_v))
+        if joint:  # text rows share the projections and norms, not the rotation
+            (q, tq), (k, tk) = ((t[:, :-text], t[:, -text:]) for t in (query, key))
+            nq, nk = attn.norm_q, attn.norm_k
+        else:
+            q, k = query, key
+            tq, tk, tv = (
+                _heads(attn, f(encoder_hidden_states))
+                for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
+            )
+            value = torch.cat([value, tv], dim=1)
+            nq, nk = attn.norm_added_q, attn.norm_added_k
+        q, k, tq, tk = self._prologue(attn, ops, q, k, tq, tk, nq, nk, rotary)
+        return torch.cat([q, tq], dim=1), torch.cat([k, tk], dim=1), value
+
+    def _prologue(
+        self,
+        attn: nn.Module,
+        ops: HunyuanOps | None,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        tq: torch.Tensor,
+        tk: torch.Tensor,
+        text_norm_q: nn.Module,
+        text_norm_k: nn.Module,
+        rotary: tuple[torch.Tensor, torch.Tensor],
+    ) -> tuple[torch.Tensor, ...]:
+        if ops is None:  # sparse without the fused prologue: diffusers' own modules
+            from diffusers.models.embeddings import apply_rotary_emb
+
+            q = apply_rotary_emb(attn.norm_q(q), rotary, sequence_dim=1)
+            k = apply_rotary_emb(attn.norm_k(k), rotary, sequence_dim=1)
+            return q, k, text_norm_q(tq), text_norm_k(tk)
+        # apply_rotary_emb rotates in fp32 whatever the tables' dtype: so does the op
+        # given fp32 tables (a no-op for HunyuanVideoRotaryPosEmbed's, which are fp32).
+        cos, sin = (t.to(q.device, torch.float32) for t in rotary)
+        nq, nk = attn.norm_q, attn.norm_k
+        q, k = ops.qk(q, k, nq.weight, nk.weight, cos, sin, nq.eps, convention="diffusers")
+        rms = ops.rms
+        tq = rms(tq, text_norm_q.weight, text_norm_q.eps, "diffusers")
+        tk = rms(tk, text_norm_k.weight, text_norm_k.eps, "diffusers")
+        return q, k, tq, tk
+
+    def _sparse_attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        keep: torch.Tensor,
+        text_rows_mask: torch.Tensor | None,
+        text: int,
+    ) -> torch.Tensor:
+        """Video rows block-sparse over [kept text, video] keys, text rows dense with their
+        rows of the model's mask (see the module docstring); ``[B, N, H, D]`` in and out.
+        ``keep``: bool ``[B, text]``, the text keys the mask keeps."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        assert self.sparse is not None and self.steps is not None
+        if self._parallel_config is not None:
+            raise NotImplementedError(
+                "ditops: sparse attention for HunyuanVideo under context parallelism is not "
+                "supported (diffusers gives HunyuanVideo no context-parallel plan); patch "
+                "with attention=None"
+            )
+        batch, n = query.shape[:2]
+        video = n - text
+        text_out = dispatch_attention_fn(
+            query[:, video:], key, value, attn_mask=text_rows_mask, backend=self._attention_backend
+        )
+        frame = self._frame_tokens()
+        block = self.sparse.config.block_size
+        outs = []
+        for b in range(batch):
+            keys, values = (
+                torch.cat([t[b : b + 1, video:][:, keep[b]], t[b : b + 1, :video]], dim=1)
+                for t in (key, value)
+            )
+            lead = int(keys.shape[1]) - video  # the kept text keys, first
+            dense = math.ceil((lead + min(frame, video)) / block)  # per call: threads share it
+            branch = self.steps.branch if batch == 1 else f"{self.steps.branch}#{b}"
+            outs.append(
+                self.sparse(
+                    query[b : b + 1, :video],
+                    keys,
+                    values,
+                    layout="BSND",
+                    step=self.steps.current(),
+                    branch=branch,
+                    dense_blocks=dense,
+                )
+            )
+        return torch.cat([torch.cat(outs, dim=0), text_out.to(outs[0].dtype)], dim=1)
+
+    def _frame_tokens(self) -> int:
+        """Tokens of the first latent frame (0 when the latent shape is not known)."""
+        assert self.steps is not None
+        shape = self.steps.latent_shape
+        if shape is None:
+            return 0
+        ph, pw = self.steps.patch_size[-2:]
+        return (int(shape[-2]) // ph) * (int(shape[-1]) // pw)
+
+
+class HunyuanVideo15AttnProcessor(HunyuanVideoAttnProcessor):
+    """:class:`HunyuanVideoAttnProcessor` over ``HunyuanVideo15AttnProcessor2_0`` (given
+    the ``[B, text]`` text mask), so ``type(p)()`` builds what HunyuanVideo-1.5 needs."""
+
+    text_mask_default = True
+
+    @staticmethod
+    def _diffusers_processor() -> Any:
+        from diffusers.models.transformers.transformer_hunyuan_video15 import (
+            HunyuanVideo15AttnProcessor2_0,
+        )
+
+        return HunyuanVideo15AttnProcessor2_0()
+
+
+def _self_attention_mask(text_mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:
+    """``HunyuanVideo15AttnProcessor2_0``'s mask from the ``[B, text]`` one, as it makes it."""
+    import torch.nn.functional as F
+
+    mask = F.pad(text_mask, (n - text_mask.shape[1], 0), value=True).bool()
+    rows = mask.view(batch, 1, 1, n).repeat(1, 1, n, 1)
+    return (rows & rows.transpose(2, 3)).bool()
+
+
+def _text_mask_of(mask: torch.Tensor | None, batch: int, text: int) -> torch.Tensor:
+    """Bool ``[B, text]`` from HunyuanVideo-1.5's text mask, refused if it is not one."""
+    if mask is None or tuple(mask.shape) != (batch, text):
+        shape = None if mask is None else list(mask.shape)
+        raise ValueError(
+            f"ditops: sparse HunyuanVideo-1.5 attention takes the [B, text] = [{batch}, {text}] "
+            f"text mask the model passes; got {shape}"
+        )
+    return mask.bool()
+
+
+def _text_keys_kept(
+    mask: torch.Tensor | None, batch: int, n: int, video: int, device: torch.device
+) -> torch.Tensor:
+    """Bool ``[B, text]``: which text keys the model's mask keeps. The model's mask is a
+    key mask ``[B, 1, 1, N]`` (or ``[B, N]``) keeping every video key; anything else
+    is refused, never guessed at."""
+    if mask is None:
+        return torch.ones(batch, n - video, dtype=torch.bool, device=device)
+    if mask.dtype != torch.bool or mask.numel() != batch * n or mask.shape[-1] != n:
+        raise ValueError(
+            "ditops: sparse HunyuanVideo attention takes the model's boolean key mask "
+            f"[B, 1, 1, N] (B={batch}, N={n}); got {mask.dtype} {list(mask.shape)}"
+        )
+    rows = mask.reshape(batch, n)
+    if not bool(rows[:, :video].all()):
+        raise ValueError(
+            "ditops: sparse HunyuanVideo attention: the mask masks video keys; only padded "
+            "text keys (the model's own mask) are supported"
+        )
+    return rows[:, video:]
+
+
+# --- what the processor relies on, checked before a patch ------------------------------------
+
+
+def rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[str]:
+    """q's and k's norms: diffusers' RMSNorm over the head dim with a weight, no bias,
+    one eps and weight dtype for both (the op takes one of each per call)."""
+    from diffusers.models.normalization import RMSNorm
+
+    q, k = (getattr(attn, n, None) for n in names)
+    label = f"{where}.{names[0]}/{names[1]}"
+    if type(q) is not RMSNorm or type(k) is not RMSNorm:
+        return [f"{label} are not diffusers' RMSNorm"]
+    problems = []
+    head_dim = attn.inner_dim // attn.heads
+    for norm in (q, k):
+        if norm.weight is None or norm.bias is not None or tuple(norm.dim) != (head_dim,):
+            problems.append(f"{label}: a weight, no bias and the head dim are expected")
+    if q.eps != k.eps:
+        problems.append(f"{label} have different eps ({q.eps}, {k.eps})")
+    if q.weight is not None and k.weight is not None and q.weight.dtype != k.weight.dtype:
+        problems.append(f"{label} have weights of different dtypes")
+    return problems
+
+
+def attention_problems(block: nn.Module, where: str, double: bool, processor: type) -> list[str]:
+    attn = getattr(block, "attn", None)
+    proc = getattr(attn, "processor", None)
+    if type(proc) is not processor:
+        return [f"{where}.attn.processor is a {type(proc).__name__}, not {processor.__name__}"]
+    problems = rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
+    if (attn.add_q_proj is not None) != double:
+        problems.append(f"{where}.attn: added projections do not match the block's kind")
+    if double:
+        problems += rms_problems(attn, ("norm_added_q", "norm_added_k"), f"{where}.attn")
+    return problems

@@ -1,0 +1,192 @@
+"""HunyuanVideo I2V's ``token_replace`` blocks on ditops' adaLN ops.
+
+With ``image_condition_type="token_replace"`` (diffusers 0.42) the first frame's
+``num_tokens`` video tokens (the image's) are modulated and gated by a second embedding
+(``token_replace_emb``, the conditioning at timestep 0), the other tokens by ``temb``::
+
+    n = norm(h);  n = cat([n[:, :T0] * (1 + tr_scale) + tr_shift, n[:, T0:] * (1 + scale) + shift])
+    h = cat([h[:, :T0] + a[:, :T0] * tr_gate, h[:, T0:] + a[:, T0:] * gate])
+
+(the single-stream block gates ``proj_out``'s output before adding the residual; the text
+stream of the double-stream block is HunyuanVideo's). A layer norm normalises each token
+on its own, so the fused forwards run each op on the two row ranges and concatenate, as
+diffusers does: the same bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.hunyuan_attention import HunyuanOps
+
+
+def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
+    # HunyuanVideoTokenReplaceAdaLayerNormZero(Single): both projections, the same ops.
+    emb = norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+    tr = norm.linear(norm.silu(tr_emb)).chunk(chunks, dim=1)
+    return emb, tr
+
+
+def _split(
+    op: Callable[..., Any],
+    n: int,
+    rows: tuple[torch.Tensor, ...],
+    mods: tuple[tuple[torch.Tensor, torch.Tensor], ...],
+    *extra: Any,
+) -> Any:
+    """``op`` on rows ``[:n]`` of ``rows`` with the first of each modulation pair (the
+    token-replace one), on rows ``[n:]`` with the second, the results concatenated."""
+    parts = [
+        op(*(t[:, r] for t in rows), *(m[i] for m in mods), *extra)
+        for i, r in enumerate((slice(None, n), slice(n, None)))
+    ]
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat([a, b], dim=1) for a, b in zip(*parts))
+    return torch.cat(parts, dim=1)
+
+
+def token_replace_double_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    token_replace_emb: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTokenReplaceTransformerBlock.forward`` on ditops' ops."""
+    (shift, scale, gate, shift_mlp, scale_mlp, gate_mlp), tr = _embs(
+        block.norm1, temb, token_replace_emb, 6
+    )
+    tr_shift, tr_scale, tr_gate, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = tr
+    c_emb = block.norm1_context.linear(block.norm1_context.silu(temb)).chunk(6, dim=1)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = c_emb
+    n0 = num_tokens
+    eps1 = block.norm1.norm.eps
+    n = _split(ops.modulate, n0, (hidden_states,),
+               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+               eps1)  # fmt: skip
+    c_n = ops.modulate(
+        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n,
+        encoder_hidden_states=c_n,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    n, hidden_states = _split(
+        ops.residual_modulate, n0, (hidden_states, attn_output),
+        ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),
+         (tr_scale_mlp[:, None], scale_mlp[:, None]),
+         (tr_shift_mlp[:, None], shift_mlp[:, None])),
+        block.norm2.eps,
+    )  # fmt: skip
+    c_n, encoder_hidden_states = ops.residual_modulate(
+        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
+        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
+    )  # fmt: skip
+    ff = block.ff(n)
+    hidden_states = _split(ops.residual, n0, (hidden_states, ff),
+                           ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),))  # fmt: skip
+    encoder_hidden_states = ops.residual(
+        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
+    )
+    return hidden_states, encoder_hidden_states
+
+
+def token_replace_single_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    token_replace_emb: torch.Tensor | None = None,
+    num_tokens: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTokenReplaceSingleTransformerBlock.forward`` on ditops' ops."""
+    text = encoder_hidden_states.shape[1]
+    residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    (shift, scale, gate), (tr_shift, tr_scale, tr_gate) = _embs(
+        block.norm, temb, token_replace_emb, 3
+    )
+    n = _split(ops.modulate, num_tokens, (residual,),
+               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+               block.norm.norm.eps)  # fmt: skip
+    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n[:, :-text],
+        encoder_hidden_states=n[:, -text:],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    hidden_states = _split(ops.residual, num_tokens, (residual, out),
+                           ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),))  # fmt: skip
+    return hidden_states[:, :-text], hidden_states[:, -text:]
+
+
+#: The sub-modules each forward does not call (hooks on them would be skipped).
+BYPASSED = {
+    token_replace_double_forward: ("norm1", "norm1.norm", "norm1_context",
+                                   "norm1_context.norm", "norm2", "norm2_context"),
+    token_replace_single_forward: ("norm", "norm.norm"),
+}  # fmt: skip
+
+
+def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+    """The diffusers forwards these reproduce, with the fingerprints checked against."""
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    known = "diffusers 0.42"
+    return {
+        "HunyuanVideoTokenReplaceTransformerBlock.forward": (
+            hv.HunyuanVideoTokenReplaceTransformerBlock.forward, {"0747c20001d8f34d": known}
+        ),
+        "HunyuanVideoTokenReplaceSingleTransformerBlock.forward": (
+            hv.HunyuanVideoTokenReplaceSingleTransformerBlock.forward, {"e6faa5efad0b312a": known}
+        ),
+        "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward, {"25eaa1efca684ee3": known}
+        ),
+        "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward": (
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward, {"7f1597c9fb4df7d8": known}
+        ),
+    }  # fmt: skip
+
+
+def norm_problems(block: nn.Module, where: str, double: bool) -> list[str]:
+    """The token-replace block's norms: the token-replace adaLN over a LayerNorm without
+    affine (not its fp32 variant); the double block's text stream as HunyuanVideo's."""
+    from diffusers.models import normalization
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    def plain(m: object) -> bool:
+        return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
+
+    expected: dict[str, type] = {"norm": hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle}
+    if double:
+        expected = {
+            "norm1": hv.HunyuanVideoTokenReplaceAdaLayerNormZero,
+            "norm1_context": normalization.AdaLayerNormZero,
+        }
+    problems = []
+    for name, cls in expected.items():
+        norm = getattr(block, name, None)
+        if type(norm) is not cls or not plain(norm.norm) or getattr(norm, "emb", None):
+            problems.append(
+                f"{where}.{name} is not a {cls.__name__} over a LayerNorm without affine"
+            )
+    for name in ("norm2", "norm2_context") if double else ():
+        if not plain(getattr(block, name, None)):
+            problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+    return problems

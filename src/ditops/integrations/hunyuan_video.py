@@ -1,0 +1,416 @@
+"""Patching diffusers' ``HunyuanVideoTransformer3DModel`` (HunyuanVideo T2V and I2V).
+
+Its blocks are FLUX's adaLN-Zero chain in the model dtype, with the text tokens *last*
+(diffusers 0.42):
+
+* ``HunyuanVideoTransformerBlock`` (double-stream)::
+
+      n, gate, shift_mlp, scale_mlp, gate_mlp = norm1(h, temb)   # LN(h) * (1 + s) + sh
+      c_n, c_gate, ... = norm1_context(c, temb)
+      a, c_a = attn(n, c_n, mask, rope)
+      h = h + a * gate;  n = norm2(h) * (1 + scale_mlp) + shift_mlp
+      h = h + gate_mlp * ff(n)             # and the same for the text stream c
+
+* ``HunyuanVideoSingleTransformerBlock`` (single-stream over ``cat([video, text])``)::
+
+      n, gate = norm(x, temb);  m = act(proj_mlp(n))
+      a, c_a = attn(n[:, :-T], n[:, -T:], mask, rope)
+      x = gate * proj_out(cat([cat([a, c_a]), m], dim=2)) + x
+
+* ``norm_out`` (``AdaLayerNormContinuous``): ``LN(h) * (1 + scale) + shift``.
+
+The patched blocks run the same expressions on :func:`~ditops.layers.adaln.adaln_modulate`,
+:func:`~ditops.layers.adaln.adaln_residual_modulate` and
+:func:`~ditops.layers.adaln.adaln_residual` (``h + a * g`` and ``g * a + h`` are the same
+bits: products and sums commute), and the attention on
+:class:`~ditops.integrations.hunyuan_attention.HunyuanVideoAttnProcessor` (the q/k
+prologue on ``qk_norm_rope`` / ``rms_norm``; block-sparse video attention when asked).
+In exact precision the patched model is bitwise the unpatched one.
+
+The I2V ``token_replace`` blocks (two modulations split at the first frame) run the same
+ops on the two row ranges (:mod:`~ditops.integrations.hunyuan_token_replace`). Left as
+diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm`` has
+affine parameters, which no adaLN op means) and the embeddings. Which forward a block
+runs is decided in one place, :func:`fused_forward_of`.
+
+Before changing anything, :meth:`HunyuanVideoFamily.check` compares the blocks, norms and
+processors against what this module was written for, and the source of every diffusers
+function whose arithmetic it reproduces against the fingerprints of the versions it was
+checked with: a model that does not match is refused whole, with the reasons.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations import hunyuan_token_replace as token_replace
+from ditops.integrations.base import (
+    AttrSet,
+    PatchOptions,
+    PatchRecord,
+    fingerprint,
+    forward_wrapper_problem,
+    install_guarded,
+    refuse,
+)
+from ditops.integrations.flux import norm_out_forward
+from ditops.integrations.hunyuan_attention import (
+    HunyuanOps,
+    HunyuanVideo15AttnProcessor,
+    HunyuanVideoAttnProcessor,
+    attention_problems,
+)
+from ditops.integrations.steps import StepState, track_steps
+
+_DIFFUSERS_042 = "diffusers 0.42"
+
+
+def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+    """Every diffusers function whose arithmetic the patch reproduces, with the
+    fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
+    module was checked against."""
+    from diffusers.models import embeddings, normalization
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    return {
+        "HunyuanVideoTransformerBlock.forward": (
+            hv.HunyuanVideoTransformerBlock.forward, {"2905bc608785d8af": _DIFFUSERS_042}
+        ),
+        "HunyuanVideoSingleTransformerBlock.forward": (
+            hv.HunyuanVideoSingleTransformerBlock.forward, {"497dbbffbea40b6e": _DIFFUSERS_042}
+        ),
+        "HunyuanVideoAttnProcessor2_0.__call__": (
+            hv.HunyuanVideoAttnProcessor2_0.__call__, {"14051151be5ee86a": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZero.forward": (
+            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormZeroSingle.forward": (
+            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": _DIFFUSERS_042}
+        ),
+        "AdaLayerNormContinuous.forward": (
+            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": _DIFFUSERS_042}
+        ),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": _DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+        **token_replace.relied_on(),
+    }  # fmt: skip
+
+
+# --- the fused forwards -------------------------------------------------------------------------
+
+
+def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
+    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
+    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
+
+
+def double_block_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
+
+    Installed through :func:`~ditops.integrations.base.install_guarded`; a deep copy of
+    the block gets a partial bound to the copy and its own ops. Like diffusers', it
+    ignores the token-replace arguments the model passes every block.
+    """
+    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
+    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
+        block.norm1_context, temb, 6
+    )
+    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
+    c_n = ops.modulate(
+        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
+    )
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n,
+        encoder_hidden_states=c_n,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    n, hidden_states = ops.residual_modulate(
+        hidden_states, attn_output, gate.unsqueeze(1),
+        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
+    )  # fmt: skip
+    c_n, encoder_hidden_states = ops.residual_modulate(
+        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
+        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
+    )  # fmt: skip
+    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
+    encoder_hidden_states = ops.residual(
+        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
+    )
+    return hidden_states, encoder_hidden_states
+
+
+def single_block_forward(
+    block: nn.Module,
+    ops: HunyuanOps,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoSingleTransformerBlock.forward`` on ditops' ops (module docstring)."""
+    text = encoder_hidden_states.shape[1]
+    residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    shift, scale, gate = _ada_emb(block.norm, temb, 3)
+    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
+    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n[:, :-text],
+        encoder_hidden_states=n[:, -text:],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    hidden_states = ops.residual(residual, out, gate.unsqueeze(1))
+    return hidden_states[:, :-text], hidden_states[:, -text:]
+
+
+#: The sub-modules each fused forward does not call (it reads their parameters or runs
+#: their arithmetic itself): hooks on them would be skipped.
+_BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
+    double_block_forward: ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm",
+                           "norm2", "norm2_context"),
+    single_block_forward: ("norm", "norm.norm"),
+    **token_replace.BYPASSED,
+}  # fmt: skip
+
+
+def _fused_classes() -> dict[type, Callable[..., Any]]:
+    """Block classes whose forward is :func:`double_block_forward` or
+    :func:`single_block_forward` (HunyuanVideo-1.5's block is the same code: the
+    fingerprints in :func:`_relied_on` and ``hunyuan_video15`` say so)."""
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+    from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
+
+    return {
+        hv.HunyuanVideoTransformerBlock: double_block_forward,
+        hv.HunyuanVideoSingleTransformerBlock: single_block_forward,
+        hv.HunyuanVideoTokenReplaceTransformerBlock: token_replace.token_replace_double_forward,
+        hv.HunyuanVideoTokenReplaceSingleTransformerBlock: (
+            token_replace.token_replace_single_forward
+        ),
+        hv15.HunyuanVideo15TransformerBlock: double_block_forward,
+    }
+
+
+def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
+    """The fused forward of a block's class (a function of ``(block, ops, *args)``), or
+    None: diffusers' own. Installed through :func:`~.base.install_guarded`, it runs only
+    while nothing is attached to the sub-modules it bypasses (:data:`_BYPASSED`)."""
+    return _fused_classes().get(type(block))
+
+
+# --- check and apply ---------------------------------------------------------------------------
+
+
+@dataclass
+class HunyuanVideoPlan:
+    """What :meth:`HunyuanVideoFamily.apply` changes (all checked)."""
+
+    fused: list[tuple[str, nn.Module, Callable[..., Any]]] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)  # blocks running diffusers' forward
+    attentions: list[nn.Module] = field(default_factory=list)
+    norm_out: nn.Module | None = None
+
+
+def _is_plain_layer_norm(m: object) -> bool:
+    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
+
+
+def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
+    from diffusers.models import normalization
+
+    problems = []
+    if double:
+        for name in ("norm1", "norm1_context"):
+            norm = getattr(block, name, None)
+            if (
+                type(norm) is not normalization.AdaLayerNormZero
+                or norm.emb is not None
+                or not _is_plain_layer_norm(norm.norm)
+            ):
+                problems.append(
+                    f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
+                )
+        for name in ("norm2", "norm2_context"):
+            if not _is_plain_layer_norm(getattr(block, name, None)):
+                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+    else:
+        norm = getattr(block, "norm", None)
+        if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
+            norm.norm
+        ):
+            problems.append(
+                f"{where}.norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
+            )
+    wrapped = forward_wrapper_problem(block, where)
+    return problems + ([wrapped] if wrapped else [])
+
+
+@dataclass(frozen=True)
+class Spec:
+    """What one model of the family is made of, for :func:`check_model`."""
+
+    #: attribute -> the block classes it may hold (every one has a fused forward)
+    blocks: dict[str, tuple[type, ...]]
+    processor: type  # diffusers' attention processor the blocks must have
+    relied_on: Callable[[], dict[str, tuple[Callable[..., Any], dict[str, str]]]]
+
+
+def _spec() -> Spec:
+    from diffusers.models.transformers import transformer_hunyuan_video as hv
+
+    return Spec(
+        blocks={
+            "transformer_blocks": (
+                hv.HunyuanVideoTransformerBlock, hv.HunyuanVideoTokenReplaceTransformerBlock
+            ),
+            "single_transformer_blocks": (
+                hv.HunyuanVideoSingleTransformerBlock,
+                hv.HunyuanVideoTokenReplaceSingleTransformerBlock,
+            ),
+        },
+        processor=hv.HunyuanVideoAttnProcessor2_0,
+        relied_on=lambda: _relied_on(),
+    )  # fmt: skip
+
+
+def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanVideoPlan:
+    """Everything the patch of ``model`` relies on, checked before any change."""
+    import diffusers
+    from diffusers.models import normalization
+
+    plan = HunyuanVideoPlan()
+    if not options.norms and options.attention is None:
+        return plan
+    problems: list[str] = []
+    version = getattr(diffusers, "__version__", "?")
+    for label, (fn, known) in spec.relied_on().items():
+        fp = fingerprint(fn)
+        if fp not in known:
+            problems.append(
+                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
+                f"ditops knows ({', '.join(sorted(set(known.values())))})"
+            )
+    for attr, classes in spec.blocks.items():
+        double = attr == "transformer_blocks"
+        for i, block in enumerate(getattr(model, attr, [])):
+            where = f"{attr}[{i}]"
+            if type(block) not in classes:
+                names = " or ".join(c.__name__ for c in classes)
+                problems.append(f"{where} is a {type(block).__name__}, not {names}")
+                continue
+            found = attention_problems(block, where, double, spec.processor)
+            if type(block).__name__.startswith("HunyuanVideoTokenReplace"):
+                found += token_replace.norm_problems(block, where, double)
+                found += [w for w in [forward_wrapper_problem(block, where)] if w]
+            else:
+                found += _block_problems(block, where, double)
+            problems += found
+            if found:
+                continue
+            plan.attentions.append(block.attn)
+            fused = fused_forward_of(block) if options.norms else None
+            if fused is not None:
+                plan.fused.append((f"{attr}.{i}", block, fused))
+            elif options.norms:
+                plan.kept.append(where)
+    norm_out = getattr(model, "norm_out", None)
+    if options.norms:
+        if type(norm_out) is not normalization.AdaLayerNormContinuous or not _is_plain_layer_norm(
+            norm_out.norm
+        ):
+            problems.append(
+                "norm_out is not an AdaLayerNormContinuous over a LayerNorm without affine"
+            )
+        else:
+            wrapped = forward_wrapper_problem(norm_out, "norm_out")
+            problems += [wrapped] if wrapped else []
+            plan.norm_out = norm_out
+    refuse(model, problems)
+    return plan
+
+
+def apply_plan(
+    model: nn.Module,
+    plan: HunyuanVideoPlan,
+    record: PatchRecord,
+    options: PatchOptions,
+    text_mask: bool = False,
+) -> None:
+    """Patch a checked model in place, recording every change on ``record``
+    (``text_mask``: see :class:`HunyuanVideoAttnProcessor`)."""
+    ops = HunyuanOps(options.precision) if options.norms else None
+    if ops is not None:
+        for where, block, forward in plan.fused:
+            install_guarded(block, forward, ops, _BYPASSED[forward], record, where)
+        if plan.kept:
+            record.count("blocks kept", len(plan.kept))
+        if plan.norm_out is not None:
+            norm = plan.norm_out
+            install_guarded(
+                norm, norm_out_forward, ops, ("norm",), record, "norm_out", "output norm"
+            )
+    steps = None
+    if options.attention is not None:
+        steps = StepState(count_steps=True)
+        config = model.config  # type: ignore[attr-defined]
+        steps.patch_size = (config.patch_size_t, config.patch_size, config.patch_size)
+        track_steps(model, steps, record)
+    for attn in plan.attentions:
+        prologue = ops  # used per call while its q/k norms carry no hooks
+        sparse = None
+        if options.attention is not None:
+            from ditops.layers.attention import BlockSparseAttention
+
+            sparse = BlockSparseAttention(options.attention)
+            record.count("sparse self-attentions")
+        if prologue is None and sparse is None:
+            continue
+        cls = HunyuanVideo15AttnProcessor if text_mask else HunyuanVideoAttnProcessor
+        processor = cls(attn.processor, prologue, steps, sparse)
+        record.add(AttrSet.apply(attn, "processor", processor))
+        if prologue is not None:
+            record.count("fused attention prologues")
+
+
+class HunyuanVideoFamily:
+    """diffusers' ``HunyuanVideoTransformer3DModel``: fused adaLN chain and attention
+    prologue, optional block-sparse video self-attention."""
+
+    name = "hunyuan_video"
+
+    def recognise(self, model: nn.Module) -> bool:
+        return type(model).__name__ == "HunyuanVideoTransformer3DModel" and hasattr(
+            model, "single_transformer_blocks"
+        )
+
+    def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
+        """Everything the patch relies on, checked before any change. Raises PatchError."""
+        return check_model(model, options, _spec())
+
+    def apply(
+        self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        """Patch a checked HunyuanVideo model in place, recording every change on ``record``."""
+        apply_plan(model, plan, record, options)

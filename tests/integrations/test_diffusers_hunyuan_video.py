@@ -1,0 +1,532 @@
+"""ditops.patch on a tiny diffusers HunyuanVideoTransformer3DModel built from keyword arguments.
+
+Parity: exact precision is bitwise equal to the unpatched model in fp32, bf16 and fp16,
+batch 1 and 2, with padded text (the attention mask) and the guidance embedding, with the
+fused CPU paths shown to run (a silent fall back to the eager expressions would be
+trivially equal); I2V variants; fast precision within tolerance. Sparse attention: dense
+steps bitwise, sparse steps close with the density asked, padded text masked exactly,
+the step counted from the timestep as HunyuanVideoPipeline gives no step index. Then
+refusals (changing nothing) and a patched model's life: unpatch, deep copy, pickle,
+torch.compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations import PatchError
+from ditops.integrations import hunyuan_video as hv_integration
+from tests.integrations.spies import spy_forward_cpu
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import HunyuanVideoTransformer3DModel  # noqa: E402
+
+FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through 4 blocks
+
+TINY = dict(
+    in_channels=4,
+    out_channels=4,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,
+    num_single_layers=2,
+    num_refiner_layers=1,
+    mlp_ratio=2.0,
+    patch_size=2,
+    patch_size_t=1,
+    text_embed_dim=16,
+    pooled_projection_dim=8,
+    rope_axes_dim=(4, 6, 6),
+    guidance_embeds=True,
+)
+TEXT = 7
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_hunyuan(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
+    torch.manual_seed(0)
+    return HunyuanVideoTransformer3DModel(**{**TINY, **overrides}).to(dtype).eval()
+
+
+def inputs(
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+    frames: int = 2,
+    hw: int = 8,
+    channels: int = 4,
+    guidance: bool = True,
+) -> dict:
+    """Latents and text; the text is padded (3 of 7 tokens masked, 5 in sample 1)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(batch, TEXT, dtype=torch.int64)
+    mask[:, TEXT - 3 :] = 0
+    if batch > 1:
+        mask[1, 2:] = 0
+    x = {
+        "hidden_states": torch.randn(batch, channels, frames, hw, hw, generator=g).to(dtype),
+        "timestep": torch.tensor([500] * batch),
+        "encoder_hidden_states": torch.randn(batch, TEXT, 16, generator=g).to(dtype),
+        "encoder_attention_mask": mask,
+        "pooled_projections": torch.randn(batch, 8, generator=g).to(dtype),
+    }
+    if guidance:
+        x["guidance"] = torch.tensor([3500.0] * batch).to(dtype)
+    return x
+
+
+def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.Tensor:
+    """One call, inside ``cache_context(name)`` without a step index (as the pipeline)."""
+    with torch.inference_mode():
+        if name is None:
+            return model(**kw, return_dict=False)[0]
+        with model.cache_context(name):
+            return model(**kw, return_dict=False)[0]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
+@pytest.fixture
+def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
+    """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
+    from ditops.layers import adaln, qk_norm_rope
+
+    yield from spy_forward_cpu(
+        monkeypatch,
+        (
+            adaln.AdaLNModulateOp,
+            adaln.AdaLNResidualOp,
+            adaln.AdaLNResidualModulateOp,
+            qk_norm_rope.QKNormRopeOp,
+            qk_norm_rope.RMSNormOp,
+        ),
+    )
+
+
+#: per forward of TINY: 2 double blocks (2 modulated norms, 2 residual+norm, 2 residuals,
+#: a prologue for the video tokens, q/k norms for the text), 2 single blocks, norm_out.
+FUSED_CALLS = {
+    "adaln_modulate": 2 * 2 + 2 + 1,
+    "adaln_residual_modulate": 2 * 2,
+    "adaln_residual": 2 * 2 + 2,
+    "qk_norm_rope": 2 + 2,
+    "rms_norm": 2 * 2 + 2 * 2,
+}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch"), [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2)]
+)
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_hunyuan(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["HunyuanVideoTransformer3DModel"] == {
+        "fused blocks": 4,
+        "fused attention prologues": 4,
+        "fused output norm": 1,
+    }
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == FUSED_CALLS
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.single_transformer_blocks[0].attn.processor).__name__ == (
+        "HunyuanVideoAttnProcessor2_0"
+    )
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_patch_within_tolerance(dtype: str) -> None:
+    model = tiny_hunyuan(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
+    for overrides, channels in (
+        ({"guidance_embeds": False}, 4),
+        ({"image_condition_type": "latent_concat", "in_channels": 9}, 9),
+    ):
+        model = tiny_hunyuan(torch.bfloat16, **overrides)
+        x = inputs(channels=channels, guidance=overrides.get("guidance_embeds", True))
+        ref = run(model, **x)
+        ditops.patch(model, precision="exact")
+        assert model._ditops_patch.summary["fused blocks"] == 4
+        assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp16"])
+def test_i2v_token_replace_blocks_fused_bitwise(dtype: str, cpu_paths: dict[str, int]) -> None:
+    """The first frame's tokens modulated and gated by the token-replace embedding: each
+    op on the two row ranges (video and, single-stream, text after the first frame)."""
+    model = tiny_hunyuan(DTYPES[dtype], image_condition_type="token_replace")
+    x = inputs(DTYPES[dtype], batch=2)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["HunyuanVideoTransformer3DModel"] == {
+        "fused blocks": 4,
+        "fused attention prologues": 4,
+        "fused output norm": 1,
+    }
+    assert torch.equal(run(model, **x), ref)
+    # double: 2 + 1 (text) of each op; single: 2 modulated norms, 2 residuals; norm_out
+    assert cpu_paths == {
+        "adaln_modulate": 2 * 3 + 2 * 2 + 1,
+        "adaln_residual_modulate": 2 * 3,
+        "adaln_residual": 2 * 3 + 2 * 2,
+        "qk_norm_rope": 4,
+        "rms_norm": 8,
+    }
+
+
+def test_a_block_with_hooks_on_a_bypassed_norm_runs_its_own_forward() -> None:
+    model = tiny_hunyuan()
+    x = inputs()
+    seen: list[int] = []
+    model.transformer_blocks[1].norm2.register_forward_hook(lambda *_: seen.append(1))
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["HunyuanVideoTransformer3DModel"]["fused blocks"] == 3
+    assert report.models["HunyuanVideoTransformer3DModel"]["unfused blocks"] == 1
+    why = report.unfused["HunyuanVideoTransformer3DModel"]["transformer_blocks.1"]
+    assert "norm2 has a torch forward hook" in why
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]  # the hook still runs
+
+
+def test_a_hook_added_after_the_patch_is_seen_on_the_next_call() -> None:
+    model = tiny_hunyuan()
+    x = inputs()
+    ditops.patch(model, precision="exact")
+    seen: list[int] = []
+
+    def scale(module: nn.Module, args: object, out: torch.Tensor) -> torch.Tensor:
+        seen.append(1)
+        return out * 2
+
+    plain = tiny_hunyuan()
+    plain.transformer_blocks[0].norm2.register_forward_hook(scale)
+    plain.single_transformer_blocks[0].attn.norm_q.register_forward_hook(scale)
+    ref = run(plain, **x)
+    model.transformer_blocks[0].norm2.register_forward_hook(scale)
+    model.single_transformer_blocks[0].attn.norm_q.register_forward_hook(scale)
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert len(seen) == 2
+    places = ditops.explain_patch(model)["HunyuanVideoTransformer3DModel"]
+    assert places["transformer_blocks.0"] == "norm2 has a torch forward hook"
+
+
+def test_an_attention_with_hooks_on_its_q_norm_keeps_diffusers_prologue() -> None:
+    model = tiny_hunyuan()
+    x = inputs()
+    seen: list[int] = []
+    model.single_transformer_blocks[0].attn.norm_q.register_forward_hook(lambda *_: seen.append(1))
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    summary = report.models["HunyuanVideoTransformer3DModel"]
+    # The prologue's choice is made per call: installed everywhere, skipped while hooked.
+    assert summary["fused attention prologues"] == 4 and summary["fused blocks"] == 4
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]
+    # with sparse attention too, that attention's norms run as diffusers' modules
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, skip_first_steps=1))
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]
+
+
+def test_leaf_level_group_offloading_before_the_patch() -> None:
+    """diffusers' leaf-level group offloading hooks every module with weights: the q/k
+    norms' hooks keep diffusers' prologue (the fused one would read the weights without
+    onloading them); the blocks' norms have no weights, no hooks: they fuse."""
+    model = tiny_hunyuan()
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    cpu = torch.device("cpu")
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    report = ditops.patch(model, precision="exact")
+    assert report.models["HunyuanVideoTransformer3DModel"]["fused blocks"] == 4
+    assert report.models["HunyuanVideoTransformer3DModel"]["fused output norm"] == 1
+    assert torch.equal(run(model, **x), ref)
+
+
+def _swap_block_class(model: nn.Module) -> None:
+    from diffusers.models.transformers.transformer_hunyuan_video import (
+        HunyuanVideoTransformerBlock,
+    )
+
+    class Copied(HunyuanVideoTransformerBlock):
+        pass
+
+    model.transformer_blocks[1].__class__ = Copied
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (
+            _swap_block_class,
+            r"transformer_blocks\[1\] is a Copied, not HunyuanVideoTransformerBlock",
+        ),
+        (
+            lambda m: setattr(
+                m.transformer_blocks[0], "norm2", nn.LayerNorm(32, elementwise_affine=True)
+            ),
+            r"transformer_blocks\[0\].norm2 is not a LayerNorm without affine",
+        ),
+        (
+            lambda m: setattr(m.single_transformer_blocks[1].attn.norm_k, "eps", 1e-5),
+            r"single_transformer_blocks\[1\].attn.norm_q/norm_k have different eps",
+        ),
+        (
+            lambda m: m.transformer_blocks[0].attn.set_processor(
+                diffusers.models.attention_processor.AttnProcessor2_0()
+            ),
+            r"transformer_blocks\[0\].attn.processor is a AttnProcessor2_0",
+        ),
+    ],
+    ids=["block_class", "affine_norm", "qk_eps", "processor"],
+)
+def test_models_it_was_not_written_for_are_refused_whole(change, fragment: str) -> None:
+    model = tiny_hunyuan()
+    change(model)
+    before = [(type(m), vars(m).get("forward")) for m in model.modules()]
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+    assert not hasattr(model, "_ditops_patch")
+    assert [(type(m), vars(m).get("forward")) for m in model.modules()] == before
+
+
+def test_a_token_replace_norm_it_was_not_written_for_is_refused() -> None:
+    from diffusers.models.normalization import FP32LayerNorm
+
+    model = tiny_hunyuan(image_condition_type="token_replace")
+    model.transformer_blocks[0].norm1.norm = FP32LayerNorm(32, elementwise_affine=False)
+    with pytest.raises(
+        PatchError,
+        match=r"transformer_blocks\[0\].norm1 is not a HunyuanVideoTokenReplaceAdaLayerNormZero",
+    ):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+
+
+def test_another_diffusers_version_is_refused_by_fingerprint(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    relied_on = hv_integration._relied_on()
+    fn, _ = relied_on["HunyuanVideoAttnProcessor2_0.__call__"]
+    relied_on["HunyuanVideoAttnProcessor2_0.__call__"] = (fn, {"0" * 16: "diffusers 0.1"})
+    monkeypatch.setattr(hv_integration, "_relied_on", lambda: relied_on)
+    model = tiny_hunyuan()
+    with pytest.raises(PatchError, match=r"HunyuanVideoAttnProcessor2_0.__call__ of .* differs"):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_is_independent_and_pickles() -> None:
+    model = tiny_hunyuan()
+    x = inputs(batch=2)
+    ditops.patch(model, precision="exact")
+    before = run(model, **x)
+    twin = copy.deepcopy(model)
+    assert torch.equal(run(twin, **x), before)
+    with torch.no_grad():
+        for block in twin.transformer_blocks:
+            block.attn.norm_q.weight.mul_(0.5)
+    changed = run(twin, **x)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(model, **x), before)  # and the original is untouched
+    ditops.unpatch(twin)
+    assert torch.equal(run(twin, **x), changed)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(run(loaded, **x), before)
+
+
+@pytest.mark.slow
+def test_compiled_patched_model_gives_the_same_output() -> None:
+    """fullgraph, aot_eager (dynamo and AOT tracing through the kernels' fake
+    implementations; no inductor code generation): one block of each kind."""
+    torch._dynamo.reset()
+    x = inputs()
+    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(compiled, **x), ref)
+    torch._dynamo.reset()
+
+
+# --- sparse attention ------------------------------------------------------------------------
+
+SPARSE_VIDEO = dict(frames=8, hw=16)  # 8 frames of 8 x 8 tokens: 512 video tokens
+
+
+def _densities(calls: list) -> list[float]:
+    return [float(counts.float().mean() / mask.shape[-1]) for mask, counts in calls]
+
+
+@pytest.fixture
+def estimates() -> list:
+    from ditops.layers.attention import estimate_block_mask
+
+    calls: list = []
+    hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))
+    yield calls
+    hook.remove()
+
+
+@pytest.mark.parametrize(("batch", "norms"), [(1, True), (2, True), (1, False)])
+def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
+    batch: int, norms: bool, estimates: list
+) -> None:
+    """Sparse from step 1; with ``norms=False`` the sparse steps run diffusers' own q/k
+    norms and rotation, dense steps its own processor."""
+    model = tiny_hunyuan()
+    x = inputs(batch=batch, **SPARSE_VIDEO)
+    later = {**x, "timestep": torch.tensor([400] * batch)}
+    ref, ref_later = run(model, **x), run(model, **later)
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+    report = ditops.patch(model, precision="exact", norms=norms, attention=cfg)
+    summary = report.models["HunyuanVideoTransformer3DModel"]
+    assert summary["sparse self-attentions"] == 4
+    assert summary.get("fused blocks", 0) == (4 if norms else 0)
+    assert torch.equal(run(model, "cond", **x), ref)  # step 0: dense, bitwise
+    assert estimates == []
+    sparse = run(model, "cond", **later)  # step 1 (its timestep is lower): sparse
+    assert model._ditops_steps.current() == 1
+    assert len(estimates) == 4 * batch  # every block, every sample
+    # the density asked, to within one block of a row (33 key blocks)
+    assert all(abs(d - 0.5) <= 1 / 33 for d in _densities(estimates)), _densities(estimates)
+    assert not torch.equal(sparse, ref_later)
+    cos = torch.nn.functional.cosine_similarity(
+        sparse.float().flatten(), ref_later.float().flatten(), 0
+    )
+    assert cos > 0.99, cos
+    # the same timestep again: a new pipeline call, step 0, dense
+    assert torch.equal(run(model, "cond", **x), ref)
+
+
+def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32, the estimate replaced by one keeping every block: the split by queries, the
+    text keys first and the padded ones left out give the unpatched model's attention
+    (within fp32 attention's tolerance); padded text that changes changes nothing."""
+    from ditops.attention.block_mask import num_blocks
+    from ditops.layers.attention import BlockSparseAttention
+
+    shapes = []
+
+    def keep_all(self, q, k, *, layout, scale, **_):
+        assert layout == "BSND"
+        (b, lq, h, _), lk = q.shape, k.shape[1]
+        shapes.append((lq, lk))
+        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
+        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
+        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
+
+    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
+    model = tiny_hunyuan(torch.float32)
+    x = inputs(torch.float32, batch=2, **SPARSE_VIDEO)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
+    out = run(model, "cond", **x)
+    # per block, sample 0 then 1: 512 video queries over 4 and 2 valid text keys + video
+    assert shapes == [(512, 516), (512, 514)] * 4
+    assert rel_err(out, ref) < 1e-5
+    padded = x["encoder_attention_mask"] == 0
+    noisy = x["encoder_hidden_states"].masked_fill(padded[..., None], 7.0)
+    assert torch.equal(run(model, "cond", **{**x, "encoder_hidden_states": noisy}), out)
+
+
+def test_steps_counted_per_branch_and_masks_reused(estimates: list) -> None:
+    """A loop as HunyuanVideoPipeline's with true CFG: cache_context("cond") then
+    ("uncond"), no step index, timesteps falling; estimate_every=2 estimates at sparse
+    steps 1 and 3 per branch; a second pipeline call starts again."""
+    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
+    cfg = BlockSparseConfig(
+        sparsity=0.5, skip_first_steps=1, block_size=16, stride=4, estimate_every=2
+    )
+    ditops.patch(model, attention=cfg)
+    x = inputs(frames=4, hw=16)
+    steps = model._ditops_steps
+    seen = []
+    for _call in range(2):
+        for i in range(4):
+            for name in ("cond", "uncond"):
+                before = len(estimates)
+                run(model, name, **{**x, "timestep": torch.tensor([900 - 100 * i])})
+                seen.append((steps.counted, name, len(estimates) - before))
+    one_call = [(i, n, 2 if i in (1, 3) else 0) for i in range(4) for n in ("cond", "uncond")]
+    assert seen == one_call * 2
+
+
+def test_sparse_refuses_a_mask_on_video_keys() -> None:
+    from ditops.integrations.hunyuan_attention import _text_keys_kept
+
+    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
+    assert _text_keys_kept(mask, 1, 10, 6, mask.device).shape == (1, 4)
+    mask[..., 2] = False
+    with pytest.raises(ValueError, match="masks video keys"):
+        _text_keys_kept(mask, 1, 10, 6, mask.device)
+    with pytest.raises(ValueError, match="boolean key mask"):
+        _text_keys_kept(mask.float(), 1, 10, 6, mask.device)
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
+    dispatched as CUDA; strict: a fall back would raise), fast precision, against the
+    unpatched model: the GPU code path, diffusers' RMSNorm convention included."""
+    from ditops import config
+    from ditops.custom_op import reset_state
+    from ditops.layers import adaln, qk_norm_rope
+    from tests.integrations.spies import install_spies
+
+    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+                   qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)  # fmt: skip
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert used == {
+        "adaln_modulate": 2 + 1 + 1,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 2 + 1,
+        "qk_norm_rope": 2,
+        "rms_norm": 4,
+    }
+    assert rel_err(out, ref) <= FAST_REL_TOL
