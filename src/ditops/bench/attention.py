@@ -12,7 +12,8 @@ run:
 
 * ``native``: dense SDPA, the attention the sparse op replaces (``x native`` is the
   speedup over it);
-* ``estimate``: ``estimate_block_mask`` alone with ``keep_ratio=k`` and the first frame
+* ``estimate``: ``estimate_block_mask`` alone with ``keep_ratio=k``, the layer's default
+  method (:data:`METHOD`; ``ditops bench masks`` compares them all) and the first frame
   forced (``1 / x native`` is its cost as a share of a dense attention; the target is
   <= 5%);
 * ``sparse``: ``block_sparse_attention`` alone with that mask, whose block density is k
@@ -39,6 +40,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import density_stats, num_blocks
+from ditops.attention.methods import DEFAULT_METHOD
 from ditops.bench.harness import Case, variants_by_case
 from ditops.bench.suites import Suite, register_suite
 
@@ -46,6 +48,8 @@ HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
 #: (frames, height, width) in tokens: Wan's 21 latent frames, small and 480p.
 SHAPES = {"small": ((21, 16, 24),), "full": ((21, 16, 24), (21, 30, 52))}
 KEEPS = (0.5, 0.25, 0.1)
+#: The estimate method measured: the one ``BlockSparseConfig`` (the layer) runs by default.
+METHOD = DEFAULT_METHOD
 VARIANTS = ("native", "estimate", "sparse", "est+sparse")
 
 
@@ -129,7 +133,9 @@ def quality(
 
     mass = exact_block_mass(q, k)
     with torch.inference_mode():
-        mask, counts = estimate_block_mask(q, k, keep_ratio=keep, dense_blocks=dense_blocks)
+        mask, counts = estimate_block_mask(
+            q, k, keep_ratio=keep, dense_blocks=dense_blocks, method=METHOD
+        )
         oracle = _oracle_like(mass, counts)
         kept = (mass * mask).sum(dim=(-1, -2)) / (mass * oracle).sum(dim=(-1, -2))  # [B, H]
         out = block_sparse_attention(q, k, v, mask, counts)
@@ -175,13 +181,14 @@ def cases(device: torch.device, size: str, dtype: torch.dtype = torch.bfloat16) 
         with torch.inference_mode():
             dense = F.scaled_dot_product_attention(q, k, v)
         for keep in KEEPS:
-            opts = {"keep_ratio": keep, "dense_blocks": first_frame}
+            opts = {"keep_ratio": keep, "dense_blocks": first_frame, "method": METHOD}
             with torch.inference_mode():
                 mask, counts = estimate_block_mask(q, k, **opts)
             params: dict[str, Any] = {"S": seq, "heads": HEADS, "dim": DIM}
             params["dtype"] = str(dtype).replace("torch.", "")
             params["keep"] = keep
             params["first_frame_blocks"] = first_frame
+            params["method"] = METHOD
             params.update(quality(q, k, v, keep, dense, first_frame))
             params["target_sparse_speedup"] = 0.8 / params["density"]
 
@@ -217,7 +224,8 @@ def _steps(size: str) -> int:
 SUITE = register_suite(
     Suite(
         name="attention",
-        title="adaptive block-sparse attention, [1, 12, S, 128] bf16, video-like q/k",
+        title=f"adaptive block-sparse attention, [1, 12, S, 128] bf16, video-like q/k, "
+        f"mask method {METHOD!r}",
         cases=cases,
         steps=_steps,
     )
