@@ -1,4 +1,6 @@
-"""Patching diffusers' ``WanTransformer3DModel`` (Wan2.1, Wan2.2 A14B / TI2V, I2V).
+"""Patching diffusers' ``WanTransformer3DModel`` (Wan2.1, Wan2.2 A14B / TI2V, I2V) and the
+models built of its blocks: ``WanVACETransformer3DModel``, ``SkyReelsV2Transformer3DModel``,
+``ChronoEditTransformer3DModel``, ``WanAnimateTransformer3DModel``.
 
 Each ``WanTransformerBlock`` computes, around its three sub-layers (diffusers 0.42)::
 
@@ -21,10 +23,21 @@ and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precis
 with ``attention=BlockSparseConfig(...)``, ditops'
 :class:`~ditops.layers.attention.BlockSparseAttention` runs on the sparse steps.
 
+The derived models are recognised by what their code does, not by their names: a block
+is fused when the fingerprint of its class's forward is one this module has a fused twin
+of (``WanTransformerBlock``'s, which ChronoEdit and Wan-Animate copy under the same name;
+``WanVACETransformerBlock``'s: input projection, Wan's chain over the control states,
+output projection making the hint; ``SkyReelsV2TransformerBlock``'s: Wan's chain with
+diffusion forcing's per-frame modulation ``[B, 6, L, C]`` and the causal frame-block mask
+handed to self-attention), and a processor is wrapped when its class and the fingerprint
+of its ``__call__`` (and of its module's ``_get_qkv_projections``) are known. What the
+models add around the blocks (VACE's hint sums, Wan-Animate's face adapters and motion
+encoder, SkyReels-V2's fps embedding) runs as diffusers runs it.
+
 Before changing anything, :meth:`WanFamily.check` compares every block and processor
-against what this module was written for (types, sub-modules and a fingerprint of the
-source of ``WanTransformerBlock.forward`` and ``WanAttnProcessor.__call__``): a model that
-does not match is refused whole, with the reason. Blocks already wrapped by diffusers or
+against what this module was written for (types, sub-modules and fingerprints of the
+block forwards and processors): a model that does not match is refused whole, with the
+reason. Blocks already wrapped by diffusers or
 accelerate hooks (caching, offloading, context parallelism) are patched under the hooks.
 """
 
