@@ -367,3 +367,37 @@ def test_a_copied_block_under_another_name_is_recognised_by_its_code() -> None:
 
     report = ditops.patch(MyWanLike(), precision="exact")
     assert report.models["MyWanLike"]["fused blocks"] == 1
+    with pytest.raises(PatchError, match="needs the model's config.patch_size"):
+        ditops.patch(MyWanLike(), attention=BlockSparseConfig(sparsity=0.5))
+
+
+@pytest.mark.parametrize("name", ("vace", "skyreels_v2"))
+def test_compiled_fullgraph_exact_is_bitwise(name: str) -> None:
+    """torch.compile(fullgraph=True) of the patched model (aot_eager backend): VACE's
+    (hint, control) tuple and SkyReels-V2's diffusion forcing with its causal mask."""
+    extra = {"num_frame_per_block": 2} if name == "skyreels_v2" else {}
+    model = build(name, "bf16_fp32_modules", **extra)
+    x = inputs(name, frames=4)
+    if name == "skyreels_v2":
+        x.update(timestep=torch.tensor([[0, 250, 500, 750]]), enable_diffusion_forcing=True)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    torch._dynamo.reset()
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(compiled, **x), ref)
+
+
+def test_a_patched_model_pickles() -> None:
+    import io
+
+    model = build("skyreels_v2")
+    x = inputs("skyreels_v2", frames=4, hw=16)
+    cfg = BlockSparseConfig(sparsity=0.5, block_size=16, stride=4)
+    ditops.patch(model, precision="exact", attention=cfg)
+    want = run(model, step=1, **x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.blocks[0].attn1.processor).__name__ == "SkyReelsV2SelfAttnProcessor"
+    assert torch.equal(run(loaded, step=1, **x), want)

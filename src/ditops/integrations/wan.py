@@ -200,6 +200,11 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
     plan = WanPlan(count_steps=type(model).__name__ != "WanTransformer3DModel")
     if not any(True for _ in _iter_blocks(model)):
         problems.append("the model has no blocks")
+    if (
+        attention is not None
+        and len(getattr(getattr(model, "config", None), "patch_size", ())) != 3
+    ):
+        problems.append("sparse attention needs the model's config.patch_size (t, h, w)")
     kinds: dict[type, BlockKind | None] = {}
     for where, block in _iter_blocks(model):
         label = "{}[{}]".format(*where.rsplit(".", 1))  # blocks[3], in messages
