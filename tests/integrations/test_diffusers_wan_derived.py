@@ -401,3 +401,38 @@ def test_a_patched_model_pickles() -> None:
     loaded = torch.load(buf, weights_only=False)
     assert type(loaded.blocks[0].attn1.processor).__name__ == "SkyReelsV2SelfAttnProcessor"
     assert torch.equal(run(loaded, step=1, **x), want)
+
+
+def test_diffusion_forcing_steps_counted_from_the_mean_per_frame_timestep(
+    estimates: list,
+) -> None:
+    """SkyReels-V2's diffusion-forcing pipeline: cache_context("cond") without a step
+    index, a timestep per frame; the mean falls at each iteration of a segment."""
+    model = build("skyreels_v2")
+    x = inputs("skyreels_v2", frames=4, hw=16)
+    x["enable_diffusion_forcing"] = True
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+    ditops.patch(model, precision="exact", attention=cfg)
+    steps = []
+    for t in ([0, 250, 500, 750], [0, 200, 450, 700], [0, 0, 400, 650], [0, 250, 500, 750]):
+        with torch.inference_mode(), model.cache_context("cond"):
+            model(**{**x, "timestep": torch.tensor([t])}, return_dict=False)
+        steps.append(model._ditops_steps.current())
+    assert steps == [0, 1, 2, 0]  # the last: a new segment (or pipeline call)
+    assert len(estimates) == 2 * 2  # sparse at steps 1 and 2, 2 blocks each
+
+
+def test_a_hooked_vace_block_norm_runs_that_block_unfused_bitwise() -> None:
+    """The ecosystem rule for the VACE blocks too: a hook on a bypassed norm makes that
+    block run diffusers' forward (the hook runs), the others stay fused."""
+    model = build("vace")
+    x = inputs("vace")
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    seen = []
+    model.vace_blocks[0].norm3.register_forward_hook(lambda *_: seen.append(1))
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1]
+    explained = ditops.explain_patch(model)["WanVACETransformer3DModel"]
+    assert explained["vace_blocks.0"] == "norm3 has a torch forward hook"
+    assert explained["vace_blocks.1"] == "fused" and explained["blocks.0"] == "fused"
