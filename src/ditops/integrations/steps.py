@@ -148,7 +148,8 @@ class LatentShapeRecorder:
         if isinstance(latents, torch.Tensor) and latents.dim() == 5:
             self.state.latent_shape = tuple(latents.shape)
         timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
-        if self.state.count_steps:
+        # Count only calls that came without a step index (one host read of the timestep).
+        if self.state.count_steps and self.state.step is None:
             if isinstance(timestep, torch.Tensor) and timestep.numel():
                 self.state.count(float(timestep.float().mean()))
             else:

@@ -123,7 +123,8 @@ class WanPlan:
     unfused: dict[str, str] = field(default_factory=dict)
     #: ditops' processor class for each place (one per diffusers processor class).
     processors: dict[str, type] = field(default_factory=dict)
-    #: whether the pipelines of this model pass no step index (steps counted from timesteps)
+    #: count steps from the timesteps of calls that bring no step index (Wan's I2V pipeline
+    #: and the Wan-derived models' pipelines call the model without one)
     count_steps: bool = False
 
 
@@ -197,7 +198,7 @@ def _check(model: nn.Module, options: PatchOptions) -> WanPlan:
     version = getattr(diffusers, "__version__", "?")
     problems: list[str] = []
     processor = norms or attention is not None  # attn1's processor is replaced
-    plan = WanPlan(count_steps=type(model).__name__ != "WanTransformer3DModel")
+    plan = WanPlan(count_steps=True)  # counted only for calls without a step index
     if not any(True for _ in _iter_blocks(model)):
         problems.append("the model has no blocks")
     if (
