@@ -44,7 +44,12 @@ from tests.integrations.test_diffusers_wan import TINY
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
 )
-from diffusers import ContextParallelConfig, ParallelConfig, WanTransformer3DModel  # noqa: E402
+from diffusers import (  # noqa: E402
+    ChronoEditTransformer3DModel,
+    ContextParallelConfig,
+    ParallelConfig,
+    WanTransformer3DModel,
+)
 
 pytestmark = pytest.mark.slow
 
@@ -64,6 +69,13 @@ def model_of(dtype: torch.dtype, heads: int = 2, path: str | None = None, **load
     torch.manual_seed(0)
     model = WanTransformer3DModel(**{**TINY, "num_attention_heads": heads}).eval()
     return cast_like_from_pretrained(model, dtype)  # as from_pretrained(torch_dtype=) loads
+
+
+def chronoedit_of(dtype: torch.dtype) -> nn.Module:
+    """ChronoEdit (Wan blocks, its own rotary embedding and processor copy, a _cp_plan)."""
+    torch.manual_seed(0)
+    model = ChronoEditTransformer3DModel(**TINY).eval()
+    return cast_like_from_pretrained(model, dtype)
 
 
 def inputs(dtype: torch.dtype, frames: int = 4, hw: int = 16) -> dict[str, torch.Tensor]:
@@ -188,6 +200,10 @@ def _one_process(refs: dict[str, Any]) -> None:
             refs[f"plain {name}"] = [forward(plain, s, x) for s in (0, 1)]
             ditops.patch(plain, precision="exact", attention=SPARSE)
             refs[f"sparse {name}"] = sparse_run(plain, x)
+            chrono = chronoedit_of(dtype)
+            refs[f"chronoedit plain {name}"] = forward(chrono, 1, x)
+            ditops.patch(chrono, precision="exact", attention=SPARSE)
+            refs[f"chronoedit sparse {name}"] = sparse_run(chrono, x)
         fp32 = torch.float32
         three = model_of(fp32, heads=3)
         ditops.patch(three, precision="exact", attention=SPARSE)
@@ -240,6 +256,22 @@ def ulysses_checks(refs: dict[str, Any], rank: int, world: int) -> dict[str, Any
             out["latent shape"] = list(m._ditops_steps.latent_shape)
             ditops.unpatch(m)
             out[f"sparse unpatched {name}"] = step_1(m)
+
+            # ChronoEdit: diffusers gives it a _cp_plan (Wan's); both orders of patching
+            chrono_ref = refs[f"chronoedit plain {name}"]
+            c = chronoedit_of(dtype)
+            c.enable_parallelism(config=ulysses())
+            out[f"chronoedit unpatched {name}"] = diff(forward(c, 1, x), chrono_ref)
+            c = chronoedit_of(dtype)
+            ditops.patch(c, precision="exact")
+            c.enable_parallelism(config=ulysses())
+            out[f"chronoedit norms {name}"] = diff(forward(c, 1, x), chrono_ref)
+            c = chronoedit_of(dtype)
+            c.enable_parallelism(config=ulysses())
+            ditops.patch(c, precision="exact", attention=SPARSE)
+            out[f"chronoedit sparse {name}"] = compare_sparse(
+                sparse_run(c, x), refs[f"chronoedit sparse {name}"], mine
+            )
 
         fp32 = torch.float32
         x = inputs(fp32)
@@ -415,6 +447,16 @@ def test_ulysses_sparse_same_masks_as_one_process(
     # attended within its own shard, dense steps included (max diff ~5e-2).
     for rank in ulysses:
         assert_sparse_matches(rank[f"sparse {order} {dtype}"], order, TOL[dtype], heads=1)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_ulysses_chronoedit_as_wan(ulysses: list[dict[str, Any]], dtype: str) -> None:
+    """ChronoEdit under Ulysses: unpatched and exact norms bitwise one process, sparse
+    steps with the same masks per rank's heads."""
+    for rank in ulysses:
+        assert rank[f"chronoedit unpatched {dtype}"] == 0
+        assert rank[f"chronoedit norms {dtype}"] == 0
+        assert_sparse_matches(rank[f"chronoedit sparse {dtype}"], "chronoedit", TOL[dtype], 1)
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))

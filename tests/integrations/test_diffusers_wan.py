@@ -341,3 +341,22 @@ def test_pipeline_patches_every_transformer() -> None:
         assert torch.equal(run(pipe.components[name], **x), ref)
     ditops.unpatch(pipe)
     assert not any(hasattr(pipe.components[n], "_ditops_patch") for n in refs)
+
+
+def test_calls_without_a_step_index_count_steps_from_the_timestep() -> None:
+    """Wan's image-to-video pipeline enters cache_context without a step index: the step
+    is counted from the falling timestep (else skip_first_steps would keep every call
+    dense); a step index, where given, wins and nothing is counted."""
+    model = tiny_wan(keep_fp32=True)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, skip_first_steps=1))
+    x = inputs()
+    with torch.inference_mode():
+        for t in (900, 800, 700):
+            with model.cache_context("cond"):
+                model(**{**x, "timestep": torch.tensor([t])}, return_dict=False)
+        assert model._ditops_steps.current() == 2
+        with model.cache_context("cond", step_index=7):
+            model(**x, return_dict=False)
+            assert model._ditops_steps.current() == 7
+        model(**{**x, "timestep": torch.tensor([950])}, return_dict=False)  # a new run
+    assert model._ditops_steps.current() == 0

@@ -392,7 +392,8 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
     problems: list[str] = []
     if options.attention is not None:
         raise PatchError(
-            "sparse attention is supported for WanTransformer3DModel and "
+            "sparse attention is supported for WanTransformer3DModel (and VACE, SkyReels-V2, "
+            "ChronoEdit, Wan-Animate) and "
             "HunyuanVideo(15)Transformer3DModel, not for "
             f"{type(model).__name__}; call patch(..., attention=None) to patch its blocks only"
         )

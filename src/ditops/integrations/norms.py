@@ -81,7 +81,8 @@ class GenericFamily:
     def check(self, model: nn.Module, options: PatchOptions) -> None:
         if options.attention is not None:
             raise PatchError(
-                "sparse attention is supported for WanTransformer3DModel and "
+                "sparse attention is supported for WanTransformer3DModel (and VACE, SkyReels-V2, "
+                "ChronoEdit, Wan-Animate) and "
                 "HunyuanVideo(15)Transformer3DModel, not for "
                 f"{type(model).__name__}; call patch(..., attention=None) to patch its norms only"
             )

@@ -119,11 +119,12 @@ def patch(
     Args:
         target: a model (``nn.Module``, or ``torch.compile``'s wrapper of one) or a
             pipeline (its ``transformer*`` components).
-        norms: swap norms and, on Wan, FLUX and HunyuanVideo(-1.5), fuse each block's
-            modulation chain and attention prologue (default True).
+        norms: swap norms and, on Wan (and the Wan-derived models), FLUX and
+            HunyuanVideo(-1.5), fuse each block's modulation chain and attention
+            prologue (default True).
         attention: ``None`` (dense attention as it is; the default) or a
-            :class:`ditops.BlockSparseConfig` for Wan's and HunyuanVideo(-1.5)'s
-            self-attention.
+            :class:`ditops.BlockSparseConfig` for the self-attention of Wan (and the
+            Wan-derived models) and HunyuanVideo(-1.5).
         precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION`` per
             call; the default).
 

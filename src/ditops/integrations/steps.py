@@ -19,8 +19,11 @@ Some pipelines (``HunyuanVideoPipeline``, ``HunyuanVideo15Pipeline`` in diffuser
 enter ``cache_context(name)`` without a step index. For their families the state counts
 steps itself (``count_steps``): per branch, a call whose timestep is below the branch's
 previous one is the next step, any other call starts a new count at 0 (a new pipeline
-call: their schedulers' timesteps fall strictly within one). A step index given by the
-pipeline or :func:`set_step` wins.
+call: their schedulers' timesteps fall strictly within one). A call's timestep is the mean
+of those it brings (one per sample, or per frame under SkyReels-V2's diffusion forcing,
+where the mean falls at every iteration of a segment and a new segment counts from 0).
+So do the Wan-derived models' pipelines (VACE, SkyReels-V2, ChronoEdit, Wan-Animate). A
+step index given by the pipeline or :func:`set_step` wins.
 """
 
 from __future__ import annotations
@@ -145,9 +148,10 @@ class LatentShapeRecorder:
         if isinstance(latents, torch.Tensor) and latents.dim() == 5:
             self.state.latent_shape = tuple(latents.shape)
         timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
-        if self.state.count_steps:
+        # Count only calls that came without a step index (one host read of the timestep).
+        if self.state.count_steps and self.state.step is None:
             if isinstance(timestep, torch.Tensor) and timestep.numel():
-                self.state.count(float(timestep.flatten()[0]))
+                self.state.count(float(timestep.float().mean()))
             else:
                 self.state.counted = None
 
