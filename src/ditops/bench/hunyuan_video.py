@@ -109,9 +109,12 @@ def make_inputs(
 
 
 class _Probe:
-    """Seconds inside the attention modules and the densities of the estimated masks."""
+    """Seconds inside the attention modules and the densities of the estimated masks.
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+    ``modules``: the attention modules to time; None: every block's ``attn`` (HunyuanVideo).
+    """
+
+    def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
         from ditops.bench.harness import _sync
         from ditops.layers.attention import estimate_block_mask
 
@@ -131,11 +134,13 @@ class _Probe:
             mask, counts = out
             self.densities.append(float(counts.float().mean()) / int(mask.shape[-1]))
 
-        blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        if modules is None:
+            blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+            modules = [b.attn for b in blocks]
         self._handles = [
             h
-            for b in blocks
-            for h in (b.attn.register_forward_pre_hook(pre), b.attn.register_forward_hook(post))
+            for m in modules
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
         ]
         self._handles.append(estimate_block_mask.register_forward_hook(estimated))  # fmt: skip
 
