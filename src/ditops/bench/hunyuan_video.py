@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ditops.bench.harness import timed_forward
+
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 16,
     "out_channels": 16,
@@ -149,17 +151,6 @@ class _Probe:
             h.remove()
 
 
-def _forward(model: Any, x: dict[str, torch.Tensor], device: torch.device) -> tuple[Any, float]:
-    from ditops.bench.harness import _sync
-
-    with torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(**x, return_dict=False)[0]
-        _sync(device)
-        return out, time.perf_counter() - t0
-
-
 def run(
     device: torch.device,
     size: str = "small",
@@ -207,14 +198,14 @@ def run(
         for name, options in variants:  # untimed: first-touch allocations, plans
             bar.step(f"{name} warm-up")
             use(options)
-            outputs[name] = _forward(model, x, device)[0]
+            outputs[name] = timed_forward(model, x, device)[0]
         for r in range(rounds):
             for name, options in variants:
                 bar.step(f"{name} round {r}")
                 use(options)
                 probe = _Probe(model, device)
                 try:
-                    _, seconds = _forward(model, x, device)
+                    _, seconds = timed_forward(model, x, device)
                 finally:
                     probe.remove()
                 times[name].append(seconds)

@@ -37,6 +37,7 @@ import torch
 
 from ditops.bench import hunyuan_video as hv
 from ditops.bench import wan
+from ditops.bench.harness import timed_forward
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 #: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
@@ -154,7 +155,7 @@ def run(
                         patch(model, precision="exact", attention=cfg)
                     probe = hv._Probe(model, device, fam.attention(model))
                     try:
-                        _, seconds = hv._forward(model, x, device)
+                        _, seconds = timed_forward(model, x, device)
                     finally:
                         probe.remove()
                     if r >= 0:
