@@ -33,6 +33,8 @@ from typing import Any
 
 import torch
 
+from ditops.bench.harness import timed_forward
+
 #: FLUX.1's structure; ``SIZES`` set the width and the token counts.
 BASE_CONFIG: dict[str, Any] = {
     "patch_size": 1,
@@ -132,17 +134,6 @@ class _AttentionTimer:
             h.remove()
 
 
-def _forward(model: Any, x: dict[str, torch.Tensor], device: torch.device) -> tuple[Any, float]:
-    from ditops.bench.harness import _sync
-
-    with torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(**x, return_dict=False)[0]
-        _sync(device)
-        return out, time.perf_counter() - t0
-
-
 def run(
     device: torch.device,
     size: str = "small",
@@ -185,14 +176,14 @@ def run(
         for name, precision in VARIANTS:  # untimed: first-touch allocations, plans
             bar.step(f"{name} warm-up")
             use(precision)
-            outputs[name] = _forward(model, x, device)[0]
+            outputs[name] = timed_forward(model, x, device)[0]
         for r in range(rounds):
             for name, precision in VARIANTS:
                 bar.step(f"{name} round {r}")
                 use(precision)
                 timer = _AttentionTimer(model, device)
                 try:
-                    _, seconds = _forward(model, x, device)
+                    _, seconds = timed_forward(model, x, device)
                 finally:
                     timer.remove()
                 times[name].append(seconds)

@@ -62,6 +62,18 @@ class Result:
         return self.bytes_moved / self.median_s / 1e9 if self.bytes_moved and self.median_s else 0.0
 
 
+def timed_forward(
+    model: Any, x: dict[str, torch.Tensor], device: torch.device
+) -> tuple[Any, float]:
+    """One ``model(**x)`` forward (inference mode) and its seconds, the device synchronised."""
+    with torch.inference_mode():
+        _sync(device)
+        t0 = time.perf_counter()
+        out = model(**x, return_dict=False)[0]
+        _sync(device)
+        return out, time.perf_counter() - t0
+
+
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -31,6 +31,8 @@ from typing import Any
 
 import torch
 
+from ditops.bench.harness import timed_forward
+
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 16,
     "out_channels": 16,
@@ -109,9 +111,12 @@ def make_inputs(
 
 
 class _Probe:
-    """Seconds inside the attention modules and the densities of the estimated masks."""
+    """Seconds inside the attention modules and the densities of the estimated masks.
 
-    def __init__(self, model: Any, device: torch.device) -> None:
+    ``modules``: the attention modules to time; None: every block's ``attn`` (HunyuanVideo).
+    """
+
+    def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
         from ditops.bench.harness import _sync
         from ditops.layers.attention import estimate_block_mask
 
@@ -131,28 +136,19 @@ class _Probe:
             mask, counts = out
             self.densities.append(float(counts.float().mean()) / int(mask.shape[-1]))
 
-        blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+        if modules is None:
+            blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+            modules = [b.attn for b in blocks]
         self._handles = [
             h
-            for b in blocks
-            for h in (b.attn.register_forward_pre_hook(pre), b.attn.register_forward_hook(post))
+            for m in modules
+            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
         ]
         self._handles.append(estimate_block_mask.register_forward_hook(estimated))  # fmt: skip
 
     def remove(self) -> None:
         for h in self._handles:
             h.remove()
-
-
-def _forward(model: Any, x: dict[str, torch.Tensor], device: torch.device) -> tuple[Any, float]:
-    from ditops.bench.harness import _sync
-
-    with torch.inference_mode():
-        _sync(device)
-        t0 = time.perf_counter()
-        out = model(**x, return_dict=False)[0]
-        _sync(device)
-        return out, time.perf_counter() - t0
 
 
 def run(
@@ -202,14 +198,14 @@ def run(
         for name, options in variants:  # untimed: first-touch allocations, plans
             bar.step(f"{name} warm-up")
             use(options)
-            outputs[name] = _forward(model, x, device)[0]
+            outputs[name] = timed_forward(model, x, device)[0]
         for r in range(rounds):
             for name, options in variants:
                 bar.step(f"{name} round {r}")
                 use(options)
                 probe = _Probe(model, device)
                 try:
-                    _, seconds = _forward(model, x, device)
+                    _, seconds = timed_forward(model, x, device)
                 finally:
                     probe.remove()
                 times[name].append(seconds)

@@ -1,17 +1,27 @@
-"""How a HunyuanVideo forward's cost grows with the video, and what sparse attention buys.
+"""How a video DiT forward's cost grows with the video, and what sparse attention buys.
 
-``python -m ditops.bench.video_scaling [--tokens 8192 16384 32768] [--sparsity 0.75]``
-builds a one-block HunyuanVideo-geometry model (one double-stream block, head dim 128,
-4 heads; :mod:`ditops.bench.hunyuan_video`'s small config otherwise) and, per video length
-(latent frames of 16 x 24 tokens, the nearest whole number of frames), times unpatched
-and ``exact`` + block-sparse attention in turns: the forward, the attention module (q/k/v
-projections, prologue, attention, output projections) and its share of the forward.
+``python -m ditops.bench.video_scaling [--family hunyuan_video|wan] [--tokens 8192 16384
+32768] [--sparsity 0.75]`` builds a one-block model of the family's geometry and, per video
+length (latent frames of 16 x 24 tokens, the nearest whole number of frames), times
+unpatched and ``exact`` + block-sparse attention in turns: the forward, the attention
+module(s) timed and their share of the forward.
+
+* ``hunyuan_video`` (the default): one double-stream block, head dim 128, 4 heads
+  (:mod:`ditops.bench.hunyuan_video`'s small config otherwise), 64 text tokens; the
+  attention module is the joint attention (q/k/v projections, prologue, attention,
+  output projections).
+* ``wan``: a one-layer ``WanTransformer3DModel`` of Wan2.1's geometry (12 heads of 128,
+  dim 1536, ffn 8960, patch (1, 2, 2); text_dim 512 to keep it cheap, built by
+  :func:`ditops.bench.wan.build_model`), 512 text tokens; the module timed is the
+  **self-attention** ``attn1`` alone (projections, q/k norm and rope, attention, output):
+  the cross-attention to the text counts in the rest.
 
 Then a **projection, not a measurement**: the unpatched attention time is fitted as
 ``a * N^2`` and the rest as ``b * N`` (least squares over the lengths measured), the
 sparse attention module's speedup is taken from the longest length measured, and
-Amdahl's law gives the forward's speedup at HunyuanVideo's 480p and 720p token counts
-(129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens).
+Amdahl's law gives the forward's speedup at the family's 480p and 720p token counts
+(HunyuanVideo, 129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens; Wan, 81
+frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens).
 """
 
 from __future__ import annotations
@@ -19,15 +29,75 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from ditops.bench import hunyuan_video as hv
+from ditops.bench import wan
+from ditops.bench.harness import timed_forward
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 #: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
 TARGETS = {"480p (848x480)": 33 * 30 * 53, "720p (1280x720)": 33 * 45 * 80}
+#: Wan's video tokens at 81 frames (21 latent frames), 480p and 720p.
+WAN_TARGETS = {"480p (832x480)": 21 * 30 * 52, "720p (1280x720)": 21 * 45 * 80}
+
+
+@dataclass(frozen=True)
+class Family:
+    """What differs between the families: the model, its inputs and what is timed."""
+
+    #: the report's words for the model (geometry, blocks, what the attention column holds)
+    model: str
+    #: the model config from keyword overrides
+    config: Callable[[dict[str, Any]], dict[str, Any]]
+    build: Callable[[torch.device, torch.dtype, dict[str, Any]], Any]
+    #: ``(config, (frames, height, width), text_tokens, device, dtype)`` -> forward kwargs
+    inputs: Callable[..., dict[str, torch.Tensor]]
+    #: the attention modules timed
+    attention: Callable[[Any], list[Any]]
+    #: the latent patch (height, width)
+    patch: Callable[[dict[str, Any]], tuple[int, int]]
+    default_dtype: Callable[[torch.device], torch.dtype]
+    targets: dict[str, int]
+    text_tokens: int
+
+
+def _wan_patch(config: dict[str, Any]) -> tuple[int, int]:
+    if config["patch_size"][0] != 1:
+        raise ValueError("video_scaling: wan needs a temporal patch of 1")
+    return config["patch_size"][1], config["patch_size"][2]
+
+
+FAMILIES: dict[str, Family] = {
+    "hunyuan_video": Family(
+        model="HunyuanVideo geometry, 1 double-stream block",
+        config=lambda o: {**hv.BASE_CONFIG, **hv.SIZES["small"]["config"],
+                          "num_single_layers": 0, **o},
+        build=lambda device, dtype, config: hv.build_model(device, dtype, **config),
+        inputs=hv.make_inputs,
+        attention=lambda model: None,  # hv._Probe's default: every block's attn
+        patch=lambda config: (config["patch_size"], config["patch_size"]),
+        default_dtype=hv.default_dtype,
+        targets=TARGETS,
+        text_tokens=64,
+    ),
+    "wan": Family(
+        model="Wan2.1 geometry, 1 layer; attn: self-attention (attn1) only, cross-attention "
+        "in the rest",
+        config=lambda o: {**wan.DEFAULT_CONFIG, "num_layers": 1, "text_dim": 512, **o},
+        build=lambda device, dtype, config: wan.build_model(None, device, dtype, **config),
+        inputs=wan.make_inputs,
+        attention=lambda model: [b.attn1 for b in model.blocks],
+        patch=_wan_patch,
+        default_dtype=wan.default_dtype,
+        targets=WAN_TARGETS,
+        text_tokens=wan.TEXT_TOKENS,
+    ),
+}  # fmt: skip
 
 
 def _fit(ns: list[int], ts: list[float], power: int) -> float:
@@ -39,24 +109,31 @@ def run(
     device: torch.device,
     tokens: tuple[int, ...] = (8192, 16384, 32768),
     *,
+    family: str = "hunyuan_video",
     sparsity: float = 0.75,
     rounds: int = 1,
-    text_tokens: int = 64,
+    text_tokens: int | None = None,
     block_size: int = 128,
     frame: tuple[int, int] = FRAME,
     dtype: torch.dtype | None = None,
     progress: bool = True,
     **overrides: Any,
 ) -> dict[str, Any]:
+    """Measure each length (see the module docstring); ``text_tokens`` None: the family's
+    (64, Wan 512); ``overrides`` replace entries of the model config."""
     from ditops.attention.schedule import BlockSparseConfig
     from ditops.bench.harness import Progress
     from ditops.integrations import patch, unpatch
 
-    dtype = hv.default_dtype(device) if dtype is None else dtype
-    config = {**hv.BASE_CONFIG, **hv.SIZES["small"]["config"], "num_single_layers": 0,
-              **overrides}  # fmt: skip
-    model = hv.build_model(device, dtype, **config)
-    per_frame = (frame[0] // config["patch_size"]) * (frame[1] // config["patch_size"])
+    if family not in FAMILIES:
+        raise ValueError(f"video_scaling: family must be one of {sorted(FAMILIES)}, got {family!r}")
+    fam = FAMILIES[family]
+    text_tokens = fam.text_tokens if text_tokens is None else text_tokens
+    dtype = fam.default_dtype(device) if dtype is None else dtype
+    config = fam.config(overrides)
+    model = fam.build(device, dtype, config)
+    ph, pw = fam.patch(config)
+    per_frame = (frame[0] // ph) * (frame[1] // pw)
     sparse_cfg = BlockSparseConfig(sparsity=sparsity, block_size=block_size)
     variants: list[tuple[str, BlockSparseConfig | None]] = [
         ("unpatched", None),
@@ -67,7 +144,7 @@ def run(
     try:
         for wanted in tokens:
             frames = max(1, round(wanted / per_frame))
-            x = hv.make_inputs(config, (frames, *frame), text_tokens, device, dtype)
+            x = fam.inputs(config, (frames, *frame), text_tokens, device, dtype)
             fwd: dict[str, list[float]] = {n: [] for n, _ in variants}
             attn: dict[str, list[float]] = {n: [] for n, _ in variants}
             for r in range(-1, rounds):  # round -1: untimed warm-up
@@ -76,9 +153,9 @@ def run(
                     unpatch(model)
                     if cfg is not None:
                         patch(model, precision="exact", attention=cfg)
-                    probe = hv._Probe(model, device)
+                    probe = hv._Probe(model, device, fam.attention(model))
                     try:
-                        _, seconds = hv._forward(model, x, device)
+                        _, seconds = timed_forward(model, x, device)
                     finally:
                         probe.remove()
                     if r >= 0:
@@ -96,24 +173,29 @@ def run(
         bar.close()
         unpatch(model)
     return {
+        "family": family,
+        "model": fam.model,
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
         "dtype": str(dtype).replace("torch.", ""),
         "sparsity": sparsity,
         "text_tokens": text_tokens,
         "rounds": rounds,
         "rows": rows,
-        "projection": project(rows),
+        "projection": project(rows, fam.targets),
     }
 
 
-def project(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Amdahl's law at :data:`TARGETS` from the fitted costs (see the module docstring)."""
+def project(
+    rows: list[dict[str, Any]], targets: dict[str, int] | None = None
+) -> list[dict[str, Any]]:
+    """Amdahl's law at ``targets`` (None: :data:`TARGETS`) from the fitted costs (see the
+    module docstring)."""
     ns = [r["video_tokens"] for r in rows]
     a = _fit(ns, [r["attention_s"] for r in rows], 2)
     b = _fit(ns, [r["forward_s"] - r["attention_s"] for r in rows], 1)
     speedup = max(rows, key=lambda r: r["video_tokens"])["attention_speedup"]
     out = []
-    for label, n in TARGETS.items():
+    for label, n in (TARGETS if targets is None else targets).items():
         share = a * n * n / (a * n * n + b * n)
         out.append({
             "target": label, "video_tokens": n, "attention_share": share,
@@ -127,7 +209,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
     out = sys.stdout if out is None else out
     cfg = result["config"]
     print(
-        f"\n== video scaling (HunyuanVideo geometry, 1 double-stream block, "
+        f"\n== video scaling ({result.get('model', FAMILIES['hunyuan_video'].model)}, "
         f"{cfg['num_attention_heads']} heads of {cfg['attention_head_dim']}, {result['dtype']}, "
         f"+{result['text_tokens']} text tokens; sparse: exact + sparsity {result['sparsity']}, "
         f"{result['rounds']} round(s)) -- measured",
@@ -158,6 +240,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ditops.bench.video_scaling")
+    parser.add_argument("--family", choices=sorted(FAMILIES), default="hunyuan_video")
     parser.add_argument("--tokens", type=int, nargs="+", default=[8192, 16384, 32768])
     parser.add_argument("--sparsity", type=float, default=0.75)
     parser.add_argument("--rounds", type=int, default=1)
@@ -170,8 +253,8 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    result = run(device, tuple(args.tokens), sparsity=args.sparsity, rounds=args.rounds,
-                 dtype=dtype, progress=not args.no_progress)  # fmt: skip
+    result = run(device, tuple(args.tokens), family=args.family, sparsity=args.sparsity,
+                 rounds=args.rounds, dtype=dtype, progress=not args.no_progress)  # fmt: skip
     print_report(result)
     if args.json:
         write_json(args.json, {"machine": machine_info(device), **result})

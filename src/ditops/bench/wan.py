@@ -275,14 +275,20 @@ class ModelLoadError(RuntimeError):
     """``--model PATH`` could not be loaded; the message says why in one line."""
 
 
-def build_model(path: str | None, device: torch.device, dtype: torch.dtype) -> Any:
+def build_model(
+    path: str | None, device: torch.device, dtype: torch.dtype, **overrides: Any
+) -> Any:
+    """The model at ``path``, or (None) :data:`DEFAULT_CONFIG` with ``overrides`` applied,
+    random weights cast as :func:`cast_like_from_pretrained` does."""
     from diffusers import WanTransformer3DModel
 
     if path is None:
         torch.manual_seed(0)
         with torch.device(device):
-            model = WanTransformer3DModel(**DEFAULT_CONFIG)
+            model = WanTransformer3DModel(**{**DEFAULT_CONFIG, **overrides})
         return cast_like_from_pretrained(model, dtype).eval()
+    if overrides:
+        raise ValueError("wan.build_model: config overrides apply to a built model, not to --model")
     if not os.path.isdir(path):
         raise ModelLoadError(f"--model {path!r} is not a directory holding a diffusers checkpoint")
     if not os.path.isfile(os.path.join(path, "config.json")):
@@ -305,6 +311,21 @@ def build_model(path: str | None, device: torch.device, dtype: torch.dtype) -> A
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise ModelLoadError(f"--model {path!r} could not be loaded: {first}") from exc
     return model.to(device).eval()
+
+
+def make_inputs(config: dict[str, Any], latent: tuple[int, ...], *args: Any) -> dict[str, Any]:
+    """One forward's keyword arguments: latents (``latent``: frames, height, width), text
+    and timestep; ``args``: the text tokens, the device and the dtype (the order
+    :func:`ditops.bench.hunyuan_video.make_inputs` takes them in)."""
+    text_tokens, device, dtype = args
+    gen = torch.Generator(device="cpu").manual_seed(1)
+    latents = torch.randn(1, config["in_channels"], *latent, generator=gen)
+    text = torch.randn(1, text_tokens, config["text_dim"], generator=gen)
+    return {
+        "hidden_states": latents.to(device, dtype),
+        "timestep": torch.tensor([900], device=device),
+        "encoder_hidden_states": text.to(device, dtype),
+    }
 
 
 def _sparse(sparsity: float, estimate_every: int = 1) -> Any:
