@@ -12,9 +12,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 
-import ditops  # noqa: E402
-from ditops.integrations.wan import PROLOGUE_BYPASS  # noqa: E402
-from tests.integrations import test_diffusers_wan as wan_t  # noqa: E402
+from tests.integrations import test_diffusers_wan as wan_t
+
+import ditops
+from ditops.integrations.wan import PROLOGUE_BYPASS
 
 model = wan_t.tiny_wan(keep_fp32=True)
 ditops.patch(model, precision="exact")
