@@ -287,13 +287,6 @@ def replace_forward(module: nn.Module, patched: Callable[..., Any], record: Patc
 # --- what others attached: run through it, or run unfused -------------------------------------
 
 
-def ditops_forward(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Mark ``fn`` as a forward ditops installs (as ``functools.partial(fn, module, ...)``),
-    so that :func:`attached_to` does not count it as somebody else's replacement."""
-    fn._ditops_forward = True  # type: ignore[attr-defined]
-    return fn
-
-
 def attached_to(module: nn.Module) -> str | None:
     """What others attached to ``module`` that a fused forward would bypass, in words
     (the first thing found), or None: torch forward (pre-)hooks, diffusers hooks
@@ -309,8 +302,8 @@ def attached_to(module: nn.Module) -> str | None:
     if hf_hook is not None:
         return f"an accelerate hook ({type(hf_hook).__name__})"
     forward = own.get("forward")
-    if forward is not None and not getattr(getattr(forward, "func", None), "_ditops_forward", 0):
-        return "a forward replaced on the instance"
+    if forward is not None and getattr(forward, "func", None) is not guarded_forward:
+        return "a forward replaced on the instance"  # (ditops' own is a guarded_forward)
     return None
 
 
@@ -355,7 +348,6 @@ def _submodule(root: nn.Module, name: str) -> Any:
     return module
 
 
-@ditops_forward
 def guarded_forward(
     module: nn.Module,
     bypass: Bypass,

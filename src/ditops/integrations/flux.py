@@ -56,7 +56,6 @@ from ditops.integrations.base import (
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
-    ditops_forward,
     fingerprint,
     forward_wrapper_problem,
     install_guarded,
@@ -144,7 +143,6 @@ def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Te
     return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
 
 
-@ditops_forward
 def double_block_forward(
     block: nn.Module,
     ops: _FluxOps,
@@ -200,7 +198,6 @@ def double_block_forward(
     return _clip_fp16(encoder_hidden_states), hidden_states
 
 
-@ditops_forward
 def single_block_forward(
     block: nn.Module,
     ops: _FluxOps,
@@ -224,7 +221,6 @@ def single_block_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-@ditops_forward
 def norm_out_forward(
     norm: nn.Module, ops: _FluxOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
 ) -> torch.Tensor:

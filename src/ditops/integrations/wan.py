@@ -58,7 +58,6 @@ from ditops.integrations.base import (
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
-    ditops_forward,
     fingerprint,
     forward_wrapper_problem,
     install_guarded,
@@ -319,7 +318,6 @@ def _fused_chain(
     return ops.gated(h, ff, c_gate)
 
 
-@ditops_forward
 def fused_block_forward(
     block: nn.Module,
     ops: _ModulationOps,
@@ -337,7 +335,6 @@ def fused_block_forward(
     return _fused_chain(block, ops, hidden_states, encoder_hidden_states, mods, rotary_emb)
 
 
-@ditops_forward
 def fused_vace_block_forward(
     block: nn.Module,
     ops: _ModulationOps,
@@ -360,7 +357,6 @@ def fused_vace_block_forward(
     return hint, control
 
 
-@ditops_forward
 def fused_skyreels_block_forward(
     block: nn.Module,
     ops: _ModulationOps,
