@@ -414,6 +414,30 @@ def fingerprint(fn: Any) -> str:
     return hashlib.sha256(lines.encode()).hexdigest()[:16]
 
 
+def fingerprint_problems(
+    relied_on: dict[str, tuple[Callable[..., Any], dict[str, str]]],
+) -> list[str]:
+    """One problem per diffusers function in ``relied_on`` (label -> (function, {known
+    fingerprint: version})) whose source differs from every version a family knows."""
+    import diffusers
+
+    version = getattr(diffusers, "__version__", "?")
+    problems = []
+    for label, (fn, known) in relied_on.items():
+        fp = fingerprint(fn)
+        if fp not in known:
+            problems.append(
+                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
+                f"ditops knows ({', '.join(sorted(set(known.values())))})"
+            )
+    return problems
+
+
+def is_plain_layer_norm(m: object) -> bool:
+    """An ``nn.LayerNorm`` itself (no subclass) without affine parameters."""
+    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
+
+
 class WrappingProcessor:
     """Base of the attention processors ditops installs over diffusers' own (``original``).
 

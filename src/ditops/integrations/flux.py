@@ -56,9 +56,10 @@ from ditops.integrations.base import (
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
-    fingerprint,
+    fingerprint_problems,
     forward_wrapper_problem,
     install_guarded,
+    is_plain_layer_norm,
     refuse,
     register_like,
 )
@@ -332,10 +333,6 @@ class FluxPlan:
     unfused: dict[str, str] = field(default_factory=dict)
 
 
-def _is_plain_layer_norm(m: object) -> bool:
-    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
-
-
 def _qk_norm_problems(attn: nn.Module, where: str) -> list[str]:
     """The q/k norms of a fused prologue: torch RMSNorms over the head dim, q's and k's of
     one eps and one weight dtype (the op takes one of each per call)."""
@@ -370,18 +367,17 @@ def _double_norm_problem(block: nn.Module) -> str | None:
         if (
             type(norm) is not normalization.AdaLayerNormZero
             or norm.emb is not None
-            or not _is_plain_layer_norm(norm.norm)
+            or not is_plain_layer_norm(norm.norm)
         ):
             return f"{name} is not an AdaLayerNormZero over a LayerNorm without affine"
     for name in ("norm2", "norm2_context"):
         norm = getattr(block, name, None)
-        if not _is_plain_layer_norm(norm):
+        if not is_plain_layer_norm(norm):
             return f"{name} is a {type(norm).__name__}, not a LayerNorm without affine parameters"
     return None
 
 
 def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
-    import diffusers
     from diffusers.models import normalization
     from diffusers.models.transformers import transformer_flux as tf
 
@@ -396,14 +392,7 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
     plan = FluxPlan()
     if not options.norms:
         return plan
-    version = getattr(diffusers, "__version__", "?")
-    for label, (fn, known) in _relied_on().items():
-        fp = fingerprint(fn)
-        if fp not in known:
-            problems.append(
-                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
-                f"ditops knows ({', '.join(sorted(set(known.values())))})"
-            )
+    problems += fingerprint_problems(_relied_on())
 
     def check_attention(block: nn.Module, where: str) -> None:
         attn = getattr(block, "attn", None)
@@ -433,7 +422,7 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
             continue
         norm = getattr(block, "norm", None)
         unfused = forward_wrapper_problem(block, where)
-        if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
+        if type(norm) is not normalization.AdaLayerNormZeroSingle or not is_plain_layer_norm(
             norm.norm
         ):
             unfused = "norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
@@ -442,7 +431,7 @@ def _check(model: nn.Module, options: PatchOptions) -> FluxPlan:
         check_attention(block, where)
         plan.single.append(block)
     norm_out = getattr(model, "norm_out", None)
-    if type(norm_out) is not normalization.AdaLayerNormContinuous or not _is_plain_layer_norm(
+    if type(norm_out) is not normalization.AdaLayerNormContinuous or not is_plain_layer_norm(
         norm_out.norm
     ):
         problems.append("norm_out is not an AdaLayerNormContinuous over a LayerNorm without affine")

@@ -53,9 +53,10 @@ from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
-    fingerprint,
+    fingerprint_problems,
     forward_wrapper_problem,
     install_guarded,
+    is_plain_layer_norm,
     refuse,
 )
 from ditops.integrations.flux import norm_out_forward
@@ -233,10 +234,6 @@ class HunyuanVideoPlan:
     norm_out: nn.Module | None = None
 
 
-def _is_plain_layer_norm(m: object) -> bool:
-    return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
-
-
 def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
     from diffusers.models import normalization
 
@@ -247,17 +244,17 @@ def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
             if (
                 type(norm) is not normalization.AdaLayerNormZero
                 or norm.emb is not None
-                or not _is_plain_layer_norm(norm.norm)
+                or not is_plain_layer_norm(norm.norm)
             ):
                 problems.append(
                     f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
                 )
         for name in ("norm2", "norm2_context"):
-            if not _is_plain_layer_norm(getattr(block, name, None)):
+            if not is_plain_layer_norm(getattr(block, name, None)):
                 problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
     else:
         norm = getattr(block, "norm", None)
-        if type(norm) is not normalization.AdaLayerNormZeroSingle or not _is_plain_layer_norm(
+        if type(norm) is not normalization.AdaLayerNormZeroSingle or not is_plain_layer_norm(
             norm.norm
         ):
             problems.append(
@@ -297,21 +294,13 @@ def _spec() -> Spec:
 
 def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanVideoPlan:
     """Everything the patch of ``model`` relies on, checked before any change."""
-    import diffusers
     from diffusers.models import normalization
 
     plan = HunyuanVideoPlan()
     if not options.norms and options.attention is None:
         return plan
     problems: list[str] = []
-    version = getattr(diffusers, "__version__", "?")
-    for label, (fn, known) in spec.relied_on().items():
-        fp = fingerprint(fn)
-        if fp not in known:
-            problems.append(
-                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
-                f"ditops knows ({', '.join(sorted(set(known.values())))})"
-            )
+    problems += fingerprint_problems(spec.relied_on())
     for attr, classes in spec.blocks.items():
         double = attr == "transformer_blocks"
         for i, block in enumerate(getattr(model, attr, [])):
@@ -337,7 +326,7 @@ def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanV
                 plan.kept.append(where)
     norm_out = getattr(model, "norm_out", None)
     if options.norms:
-        if type(norm_out) is not normalization.AdaLayerNormContinuous or not _is_plain_layer_norm(
+        if type(norm_out) is not normalization.AdaLayerNormContinuous or not is_plain_layer_norm(
             norm_out.norm
         ):
             problems.append(
