@@ -17,6 +17,7 @@ import ditops
 from ditops import config
 from ditops.backends.base import Backend
 from ditops.custom_op import (
+    Args,
     BackendUnavailableError,
     CustomOp,
     explain,
@@ -74,8 +75,8 @@ class ToyScale(CustomOp):
             raise RuntimeError("kernel exploded")
         return x + x
 
-    def fast_path_reasons(self, kind: str, x: torch.Tensor) -> list[str]:
-        return ["empty input"] if x.numel() == 0 else []
+    def not_supported(self, call: Args) -> list[str]:
+        return ["empty input"] if call.args[0].numel() == 0 else []
 
 
 @pytest.fixture(autouse=True)

@@ -33,6 +33,7 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
+from ditops.core.registry import registered_ops
 from ditops.tracing import trace_time_constant
 
 Precision = Literal["fast", "exact"]
@@ -201,9 +202,7 @@ def reload() -> Config:
 
 
 def _check_op_names(selection: OpsSelection) -> None:
-    # Late import: custom_op imports this module. `import ditops` registers every op.
-    from ditops.custom_op import registered_ops
-
+    # `import ditops` registers every op.
     selection.check_names(registered_ops())
 
 

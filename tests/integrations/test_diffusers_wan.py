@@ -76,6 +76,7 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
     from ditops.layers import modulation, qk_norm_rope
+    from ditops.ops.layer_norm import FP32LayerNormOp
 
     yield from spy_forward_cpu(
         monkeypatch,
@@ -83,7 +84,7 @@ def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
             modulation.LayerNormScaleShiftOp,
             modulation.GatedResidualOp,
             modulation.ScaleResidualLayerNormScaleShiftOp,
-            FP32LayerNorm,
+            FP32LayerNormOp,
             qk_norm_rope.QKNormRopeOp,
         ),
     )

@@ -203,8 +203,8 @@ def test_from_module_rejects_other_modules() -> None:
 def test_fp32_params_are_used_as_they_are() -> None:
     m = make(16, "affine")
     with torch.no_grad():
-        w, b = m._params32()
-    assert w is m.weight and b is m.bias
+        call = m._call(torch.ones(2, 16))
+    assert call.weight is m.weight and call.bias is m.bias
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
@@ -235,9 +235,9 @@ def test_weights_follow_load_state_dict_and_to() -> None:
     x = torch.randn(3, 16, dtype=torch.bfloat16)
     with torch.no_grad():
         m.load_state_dict({"weight": torch.ones(16), "bias": torch.zeros(16)})
-        assert torch.equal(m._params32()[0], torch.ones(16))
+        assert torch.equal(m._call(x.float()).weight, torch.ones(16))
         m.to(torch.float16)
-        w, _ = m._params32()
+        w = m._call(x.half()).weight
         assert w.dtype == torch.float32 and torch.equal(w, m.weight.float())
         assert_exact(m(x.half()), diffusers_meaning(m, x.half()))
     assert set(m.state_dict()) == {"weight", "bias"}

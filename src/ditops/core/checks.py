@@ -1,0 +1,100 @@
+"""Argument checks every op shares, and the names of dtypes in messages.
+
+Each check raises ``TypeError`` (wrong kind of value) or ``ValueError`` (wrong value),
+naming the op, the argument, what it got and what is expected; each returns the value
+normalised (a float, an int), so a ``prepare`` reads as one line per argument.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+import torch
+
+#: The floating dtypes ditops' ops take.
+FLOATS: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16, torch.float16)
+#: The half-precision ones (NPU kernels take these only).
+HALF: tuple[torch.dtype, ...] = (torch.bfloat16, torch.float16)
+from ditops.config import PRECISIONS  # noqa: E402 - one list of precisions
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_names(dtypes: Iterable[torch.dtype]) -> str:
+    """``"bfloat16/float16/float32"``: sorted, for messages."""
+    return "/".join(sorted(dtype_name(d) for d in dtypes))
+
+
+def check_tensor(
+    op: str, name: str, value: object, dtypes: Iterable[torch.dtype] = FLOATS
+) -> torch.Tensor:
+    """A tensor whose dtype is one of ``dtypes``."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor, got {type(value).__name__}")
+    allowed = tuple(dtypes)
+    if value.dtype not in allowed:
+        raise TypeError(
+            f"{op}: {name} dtype {dtype_name(value.dtype)} not supported; expected "
+            f"{', '.join(dtype_name(d) for d in allowed)}"
+        )
+    return value
+
+
+def check_eps(op: str, eps: object) -> float:
+    """A real number (not a bool), as a float."""
+    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+        raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
+    return float(eps)
+
+
+def check_flag(op: str, name: str, value: object) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
+    return value
+
+
+def check_int(op: str, name: str, value: object, minimum: int = 1) -> int:
+    """An int (not a bool) of at least ``minimum``."""
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
+    return value
+
+
+def check_number(
+    op: str,
+    name: str,
+    value: object,
+    *,
+    low: float,
+    high: float | None = None,
+    closed_low: bool = False,
+) -> float:
+    """A real number (not a bool) in ``(low, high]`` (``[low, high]`` with ``closed_low``)."""
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
+    if ok:
+        v = float(value)  # type: ignore[arg-type]
+        ok = (v >= low if closed_low else v > low) and (high is None or v <= high)
+    if not ok:
+        lo = "[" if closed_low else "("
+        hi = "inf)" if high is None else f"{high}]"
+        raise ValueError(f"{op}: {name} must be a number in {lo}{low}, {hi}, got {value!r}")
+    return float(value)  # type: ignore[arg-type]
+
+
+def check_choice(op: str, name: str, value: object, choices: Iterable[object]) -> object:
+    allowed = tuple(choices)
+    if value not in allowed:
+        raise ValueError(f"{op}: {name} must be one of {allowed}, got {value!r}")
+    return value
+
+
+def check_precision(value: object, owner: str = "precision") -> str | None:
+    """``"fast"``, ``"exact"`` or None (follow the settings)."""
+    if value is not None and (not isinstance(value, str) or value not in PRECISIONS):
+        raise ValueError(f"{owner} must be 'fast', 'exact' or None, got {value!r}")
+    return value
