@@ -1,6 +1,6 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
-ditops info [--json] [--precision fast|exact]
+ditops info [--json] [--verbose] [--precision fast|exact]
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
              [--json PATH] [--no-progress] [--malloc both|current]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
@@ -20,8 +20,8 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
-from ditops.custom_op import explain
-from ditops.platform import platform_summary
+from ditops.core.explain import explain, table
+from ditops.platform import DEVICE_KINDS, platform_summary
 
 
 def _info(args: argparse.Namespace) -> int:
@@ -45,22 +45,35 @@ def _info(args: argparse.Namespace) -> int:
     seen = ", ".join(f"{k}: {v}" for k, v in plat["visible_devices"].items())
     print(f"visible devices: {seen}")
     print("config: " + ", ".join(f"{k}={v}" for k, v in payload["config"].items()))
-    print(f"precision explained: {payload['precision']}")
-    current = None
+    print(f"precision explained: {payload['precision']}\n")
+    for line in table(decisions, DEVICE_KINDS):
+        print(line)
+    print(
+        "\nA cell names the path each op takes for tensors of that device kind (one Triton path"
+        "\nserves cuda, hip and xpu); native: the meaning, no fast path exists; native*: a fast"
+        "\npath exists but cannot run here, for the reasons below."
+    )
+    # One line per (device kind, reasons): ops sharing a backend share its reasons.
+    why: dict[tuple[str, str], list[str]] = {}
     for d in decisions:
-        if d.op != current:
-            current = d.op
-            print(f"\n{d.op}")
-        mark = "*" if d.chosen != "forward_native" else " "
-        absent = "" if plat["visible_devices"].get(d.device_kind) else "   (no such device here)"
-        print(f"  {mark} {d.device_kind:<5} -> {d.chosen}{absent}")
         for c in d.candidates:
-            if c.reasons:
-                for r in c.reasons:
-                    print(f"        {c.path} not used: {r}")
-            if c.accepts:
-                print(f"        {c.path} takes: {c.accepts}")
-    print("\n* = a fast path; per-call conditions (dtype, grad) are listed under 'takes'.")
+            if c.reasons and c.accepts:
+                why.setdefault((d.device_kind, "; ".join(c.reasons)), []).append(f"{d.op}.{c.path}")
+    if why:
+        print("\nnot used:")
+    for (kind, reasons), paths in why.items():
+        absent = "" if plat["visible_devices"].get(kind) else ", no such device here"
+        print(f"  {kind}{absent}: {', '.join(paths)}:\n      {reasons}")
+    if args.verbose:
+        print("\nwhat each fast path takes (per-call conditions):")
+        done: set[tuple[str, str]] = set()
+        for d in decisions:
+            for c in d.candidates:
+                if c.accepts and (d.op, c.path) not in done:
+                    done.add((d.op, c.path))
+                    print(f"  {d.op}.{c.path}: {c.accepts}")
+    else:
+        print("\n--verbose: also what each fast path takes (dtypes, precision, backend).")
     return 0
 
 
@@ -306,6 +319,9 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="explain which path every op takes on every device kind")
     info.add_argument("--json", action="store_true", help="machine-readable output")
+    info.add_argument(
+        "--verbose", action="store_true", help="also what each fast path takes (dtypes, ...)"
+    )
     info.add_argument(
         "--precision",
         choices=config.PRECISIONS,
