@@ -51,3 +51,113 @@ def test_lower_folders_do_not_import_higher_ones(folder: str, forbidden: tuple[s
             assert not module.startswith(forbidden), (
                 f"{path.relative_to(SRC)} imports {module}: {folder}/ sits below it"
             )
+
+
+# --- the op core's layout (issue 17): who may import whom, and what may cross a module ----
+
+#: folder -> the ditops folders its modules must not import.
+FORBIDDEN = {
+    "core": ("ops", "layers", "kernels", "attention", "integrations", "bench"),
+    "backends": ("core", "ops", "layers", "kernels", "attention", "integrations", "bench"),
+    "kernels": ("core", "ops", "layers", "integrations", "bench"),
+    "attention": ("ops", "layers", "integrations", "bench"),
+    "ops": ("layers", "integrations", "bench"),
+    "layers": ("kernels", "integrations", "bench"),
+}
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(SRC.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+ALL = {module_name(p): p for p in SRC.rglob("*.py")}
+
+
+@pytest.mark.parametrize("folder", sorted(FORBIDDEN))
+def test_folder_imports_follow_the_layout(folder: str) -> None:
+    banned = tuple(f"ditops.{f}" for f in FORBIDDEN[folder])
+    for path in (SRC / folder).rglob("*.py"):
+        for module, _ in imported(path):
+            assert not (module.startswith(banned) and module.split(".")[1] in FORBIDDEN[folder]), (
+                f"{path.relative_to(SRC)} imports {module}; {folder}/ must not import "
+                f"{', '.join(FORBIDDEN[folder])}"
+            )
+
+
+def test_no_private_name_is_imported_from_another_module() -> None:
+    crossings = []
+    for name, path in ALL.items():
+        for module, names in imported(path):
+            if not module.startswith("ditops") or module == name:
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")]
+            if private:
+                crossings.append(f"{name} imports {', '.join(private)} from {module}")
+    assert not crossings, "\n".join(crossings)
+
+
+def runtime_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """:func:`imported`, less the imports under ``if TYPE_CHECKING:`` (never run)."""
+    tree = ast.parse(path.read_text())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+            node.body = []
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.extend((a.name, []) for a in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [a.name for a in node.names]))
+    return found
+
+
+def test_no_import_cycle() -> None:
+    """Every import that runs counts, late ones (inside functions) too: a cycle hidden in
+    a function is still a cycle."""
+    graph: dict[str, set[str]] = {name: set() for name in ALL}
+    for name, path in ALL.items():
+        for module, names in runtime_imports(path):
+            targets = {f"{module}.{n}" for n in names if f"{module}.{n}" in ALL}
+            if not targets and module in ALL:
+                targets = {module}
+            graph[name] |= {t for t in targets if t != name and not name.startswith(t + ".")}
+    # Tarjan's strongly connected components.
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                cycles.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    assert not cycles, f"import cycles: {cycles}"
+
+
+#: A file a reader takes in at one sitting; the op core's budget (issue 17).
+MAX_LINES = 460
+
+
+@pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
+def test_no_file_is_too_long(path: Path) -> None:
+    lines = len(path.read_text().splitlines())
+    assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines (at most {MAX_LINES})"
