@@ -3,7 +3,7 @@
 FlexAttention is only fast compiled (``torch.compile``); uncompiled it is a slow
 reference. One compiled function serves every call; ``torch.compile`` keeps one
 specialised graph per shape (``dynamic=False``: a dynamic-shape graph is slower and
-compiles longer), and compiling a new shape costs about 15 s on CPU. Video DiTs use a
+compiles longer), and compiling a new shape takes seconds. Video DiTs use a
 handful of shapes per run, so the recompile limit is raised for these calls only: a
 new shape must never silently fall back to eager FlexAttention.
 

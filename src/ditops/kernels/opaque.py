@@ -2,9 +2,9 @@
 
 A kernel dynamo cannot trace (a loop over row blocks, a Triton launch) is registered as a
 ``torch.library`` custom op with a fake implementation, so a compiled graph calls it as
-one node. Going through the custom-op machinery costs about 16 us per call in eager mode
-(measured on the project CPU: 39 us against 23 us for a small exact LayerNorm), which on
-a GPU is more than the kernel itself at 8k tokens. :func:`opaque_op` therefore
+one node. Going through the custom-op machinery costs tens of microseconds per eager call
+(``benchmarks/cpu/probes/dispatch_overhead.py`` times the dispatch around a kernel), which
+on a GPU can be more than the kernel itself at 8k tokens. :func:`opaque_op` therefore
 registers the op and returns a function that calls the op only while compiling and the
 plain Python implementation otherwise; the two compute the same thing.
 """

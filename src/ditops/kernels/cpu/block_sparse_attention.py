@@ -6,19 +6,19 @@ keys it attends to are copied next to each other and ``F.scaled_dot_product_atte
 ``[rows, 1, T, D]`` gathered keys and values. Rows with the same shape of work (query
 rows, gathered keys, causal offset) form a bucket, served by one SDPA call per chunk.
 
-Why: no compilation (FlexAttention compiles ~15 s per new shape), and on the project
-CPU (AVX2, no AMX) the flash kernel is faster per key than FlexAttention's CPU
-template, about 2x in bf16 (``benchmarks/cpu/probes/sparse_attention_cpu.py``). What it
+Why: no compilation (FlexAttention compiles each new shape, for seconds), and on CPUs
+without AMX the flash kernel is faster per key than FlexAttention's CPU template
+(``benchmarks/cpu/probes/sparse_attention_cpu.py`` measures both). What it
 costs: the copy of the selected keys and values (``keep x`` the inputs per query
 block, a few % of the time), and 128-row queries, on which the flash kernel works in
-32-row tiles where a dense call uses 256-row ones (measured on gathered data: 0.73-0.86
-of dense SDPA's speed per key, the ceiling of this design).
+32-row tiles where a dense call uses 256-row ones (the ceiling of this design:
+``benchmarks/cpu/probes/sparse_attention_parts.py`` measures the speed per key).
 
 Pairs (not causal): two neighbouring query blocks of a head whose selections mostly
 agree (``PAIR_MIN_SHARED``) run as one 256-row query over the key blocks both select
 (64-row tiles), and each block then runs alone over the blocks only it selects; the two
 parts are merged through their log-sum-exps (``w = exp(lse - max)``, in fp32). Video
-masks pair often (neighbouring tokens attend alike: 14% less CPU time at keep 0.25 in
+masks pair often (neighbouring tokens attend alike; the gain is recorded in
 ``benchmarks/cpu/probes/sparse_attention_cpu.txt``), random ones rarely. The pair's
 output is rounded to the output dtype before the merge: one extra rounding for the
 rows that have private blocks, within the ``fast`` tolerance.

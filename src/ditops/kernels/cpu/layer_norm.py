@@ -1,6 +1,6 @@
 """FP32 LayerNorm on CPU: low-precision in and out, fp32 inside.
 
-Memory model for bf16 [R, C] (the field notes' numbers, 2-core AVX-512 machine):
+Memory model for bf16 [R, C] (bytes moved; the field notes measure what they cost):
 the native meaning ``layer_norm(x.float()).to(bf16)`` makes three passes over memory
 (an fp32 copy of x: read 2 + write 4 bytes; the norm: read 4 + write 4; the cast:
 read 4 + write 2 bytes per element, 20 bytes in all) where a copy moves 4. So:

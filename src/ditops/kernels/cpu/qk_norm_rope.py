@@ -51,13 +51,11 @@ from torch import Tensor
 from ditops.kernels.opaque import opaque_op
 from ditops.kernels.qk_norm_rope_shapes import LOW_PRECISION, PairTables, normed_dtype, pair_tables
 
-#: fp32 bytes of the block (q and k rows together) per intra-op thread. Measured with
-#: benchmarks/cpu/probes/qk_block_size.py (2-core machine, busy: load 8-9), Wan's shape,
-#: one thread: fast 0.35/0.40/0.43/0.39/0.33 of a clone's bandwidth at 512 KiB/1/2/4/
-#: 8 MiB, exact 0.24/0.26/0.24/0.21/0.17 (FLUX alike). Two threads on that busy machine:
-#: 2.9/2.2/2.2/1.6/1.6 s for fast, against 0.38 s on one thread: every ATen op on a
-#: block is one parallel region, and each region waits for a descheduled thread, so
-#: fewer, larger blocks per thread count (on a quiet machine a region costs microseconds).
+#: fp32 bytes of the block (q and k rows together) per intra-op thread, chosen with
+#: benchmarks/cpu/probes/qk_block_size.py (the share of a clone's bandwidth per block
+#: size; rerun it on a new machine). Every ATen op on a block is one parallel region,
+#: and on a busy machine each region waits for a descheduled thread, so fewer, larger
+#: blocks per thread count (on a quiet machine a region costs microseconds).
 _BLOCK_BYTES = 2 * 1024 * 1024
 _F32 = torch.float32
 
