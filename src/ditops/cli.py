@@ -134,7 +134,7 @@ def _bench(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            from ditops.bench.wan import ModelLoadError
+            from ditops.bench.wan_model import ModelLoadError
 
             try:
                 payload["wan"] = _bench_wan(args, device)
@@ -213,7 +213,7 @@ def _bench_parallel(args: argparse.Namespace) -> int:
         )
         return 2
     from ditops.bench import parallel
-    from ditops.bench.wan import ModelLoadError
+    from ditops.bench.wan_model import ModelLoadError
 
     try:
         return parallel.main(args)
@@ -258,12 +258,14 @@ def _bench_other_malloc_state(
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from ditops.bench import wan
+    from ditops.bench.wan_model import cpu_warning, default_dtype
+    from ditops.bench.wan_report import print_report
     from ditops.platform import cpu_half_matmuls_slow
 
     where = f"--model {args.model}" if args.model else "the built-in small Wan config"
     print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
     if args.dtype == "auto":
-        dtype = wan.default_dtype(device)
+        dtype = default_dtype(device)
         if dtype != torch.bfloat16:
             print(
                 f"ditops bench: --dtype auto chose float32: this CPU (torch capability "
@@ -273,7 +275,7 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             )
     else:
         dtype = getattr(torch, args.dtype)
-        warning = wan.cpu_warning(device, dtype)
+        warning = cpu_warning(device, dtype)
         if warning:
             print(f"ditops bench: {warning}", file=sys.stderr)
     result = wan.run(
@@ -284,7 +286,7 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         plot_path=WAN_PLOT if args.plot is None else args.plot,
         dtype=dtype,
     )
-    wan.print_report(result)
+    print_report(result)
     if args.plot != "":
         print(f"wrote {WAN_PLOT if args.plot is None else args.plot}", file=sys.stderr)
     return result

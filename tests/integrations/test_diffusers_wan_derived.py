@@ -25,7 +25,7 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.bench.wan import cast_like_from_pretrained
+from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import spy_forward_cpu
