@@ -97,7 +97,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_cases,
         write_json,
     )
-    from ditops.bench.suites import all_suites
+    from ditops.bench.suites import SUITES, get_suite
 
     problem = _bench_argument_problem(args)
     if problem:  # before any benchmark runs: minutes of work never end in a traceback
@@ -105,14 +105,13 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if args.parallel:
         return _bench_parallel(args)
-    suites = all_suites()
     names = args.suites or ["wan"]
     models = ("wan", "flux", "hunyuan_video")
-    unknown = [n for n in names if n not in suites and n not in models]
+    unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: {', '.join(models)}, {', '.join(sorted(suites))}",
+            f"available: {', '.join(models)}, {', '.join(sorted(SUITES))}",
             file=sys.stderr,
         )
         return 2
@@ -153,7 +152,7 @@ def _bench(args: argparse.Namespace) -> int:
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
             payload[name] = hunyuan_video.cli(device, args.size, not args.no_progress, dtype)
             continue
-        suite = suites[name]
+        suite = get_suite(name)
         where = f", malloc {malloc}" if malloc else ""
         print(
             f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}{where}",

@@ -274,6 +274,12 @@ def _toy_cases(device: torch.device, size: str) -> Iterator[Case]:
     )
 
 
+def test_every_listed_suite_is_defined_by_its_module() -> None:
+    for name, module in suites.SUITES.items():
+        suite = suites.get_suite(name)
+        assert suite.name == name and sys.modules[module].SUITE is suite
+
+
 @pytest.mark.parametrize("mode", ["both", "current"])
 def test_bench_runs_malloc_suites_in_both_states(
     monkeypatch: pytest.MonkeyPatch,
@@ -282,7 +288,8 @@ def test_bench_runs_malloc_suites_in_both_states(
     mode: str,
 ) -> None:
     toy = suites.Suite("toy_alloc", "toy", _toy_cases, lambda size: 3, malloc_states=True)
-    monkeypatch.setitem(suites._SUITES, "toy_alloc", toy)
+    monkeypatch.setitem(suites.SUITES, "toy_alloc", __name__)  # this module's SUITE
+    monkeypatch.setattr(sys.modules[__name__], "SUITE", toy, raising=False)
     monkeypatch.setattr(cli, "_glibc", lambda: True)
     here = harness.malloc_state()
     other = "grows" if here == "fixed" else "fixed"
