@@ -129,10 +129,10 @@ def _forward(
     seconds are the slowest rank's."""
     import torch.distributed as dist
 
-    from ditops.bench.harness import _sync
+    from ditops.bench.harness import sync
     from ditops.bench.wan_probes import timed_step
 
-    _sync(device)
+    sync(device)
     dist.barrier()
     out, seconds = timed_step(model, latents, timesteps, text, step, n_steps, device)
     slowest = torch.tensor([seconds], dtype=torch.float64, device=latents.device)

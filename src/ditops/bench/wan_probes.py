@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from ditops.bench.harness import sync
+
 #: Where a forward's time goes: sub-modules of every block, timed by forward hooks; the
 #: rest (patch embedding, norms, modulation, residuals, output) is the remainder.
 SECTIONS = {"attn1": "self-attention", "attn2": "cross-attention", "ffn": "feed-forward"}
@@ -25,21 +27,19 @@ class SectionTimer:
         self._handles: list[Any] = []
 
     def __enter__(self) -> SectionTimer:
-        from ditops.bench.harness import _sync
-
         for block in self.model.blocks:
             for attr, label in SECTIONS.items():
                 module = getattr(block, attr)
                 start: list[float] = []
 
                 def pre(_m: Any, _a: Any, start: list[float] = start) -> None:
-                    _sync(self.device)
+                    sync(self.device)
                     start.append(time.perf_counter())
 
                 def post(
                     _m: Any, _a: Any, _o: Any, start: list[float] = start, label: str = label
                 ) -> None:
-                    _sync(self.device)
+                    sync(self.device)
                     self.seconds[label] += time.perf_counter() - start.pop()
 
                 self._handles.append(module.register_forward_pre_hook(pre))
@@ -72,13 +72,11 @@ class AttentionProbe:
         self._sdpa: Any = None
 
     def _timed(self, fn: Any, add: Any) -> Any:
-        from ditops.bench.harness import _sync
-
         def call(*args: Any, **kwargs: Any) -> Any:
-            _sync(self.device)
+            sync(self.device)
             t0 = time.perf_counter()
             out = fn(*args, **kwargs)
-            _sync(self.device)
+            sync(self.device)
             add(time.perf_counter() - t0, args, out)
             return out
 
@@ -148,13 +146,11 @@ def timed_step(
     device: torch.device,
 ) -> tuple[torch.Tensor, float]:
     """One denoiser call at ``step``, inside the cache context a diffusers pipeline sets."""
-    from ditops.bench.harness import _sync
-
     with (
         torch.inference_mode(),
         model.cache_context("cond", step_index=step, num_inference_steps=n_steps),
     ):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = model(
             hidden_states=latents,
@@ -162,5 +158,5 @@ def timed_step(
             encoder_hidden_states=text,
             return_dict=False,
         )[0]
-        _sync(device)
+        sync(device)
         return out, time.perf_counter() - t0
