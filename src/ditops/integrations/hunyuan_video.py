@@ -71,10 +71,10 @@ from ditops.integrations.steps import StepState, track_steps
 _DIFFUSERS_042 = "diffusers 0.42"
 
 
-def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
     fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
-    module was checked against."""
+    module was checked against. ``hunyuan_video15`` relies on some of them too."""
     from diffusers.models import embeddings, normalization
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
@@ -199,7 +199,7 @@ _BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
 def _fused_classes() -> dict[type, Callable[..., Any]]:
     """Block classes whose forward is :func:`double_block_forward` or
     :func:`single_block_forward` (HunyuanVideo-1.5's block is the same code: the
-    fingerprints in :func:`_relied_on` and ``hunyuan_video15`` say so)."""
+    fingerprints in :func:`relied_on` and ``hunyuan_video15`` say so)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
     from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
 
@@ -288,7 +288,7 @@ def _spec() -> Spec:
             ),
         },
         processor=hv.HunyuanVideoAttnProcessor2_0,
-        relied_on=lambda: _relied_on(),
+        relied_on=lambda: relied_on(),
     )  # fmt: skip
 
 
