@@ -51,18 +51,16 @@ from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
-    Bypass,
     PatchError,
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
     fingerprint_problems,
-    forward_wrapper_problem,
-    install_guarded,
     is_plain_layer_norm,
     refuse,
     register_like,
 )
+from ditops.integrations.guard import Bypass, forward_wrapper_problem, install_guarded
 
 _DIFFUSERS_042 = "diffusers 0.42"
 
@@ -100,7 +98,7 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     }  # fmt: skip
 
 
-#: What each fused forward computes without calling it (see :class:`~.base.Bypass`).
+#: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
 DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
                    "norm2_context")  # fmt: skip
 SINGLE_BYPASSES = ("norm", "norm.norm")
@@ -155,7 +153,7 @@ def double_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``FluxTransformerBlock.forward`` on ditops' ops (see the module docstring).
 
-    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
+    Installed through :func:`~ditops.integrations.guard.install_guarded`: it runs only
     while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
     """
     shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)

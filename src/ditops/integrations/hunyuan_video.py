@@ -54,12 +54,11 @@ from ditops.integrations.base import (
     PatchOptions,
     PatchRecord,
     fingerprint_problems,
-    forward_wrapper_problem,
-    install_guarded,
     is_plain_layer_norm,
     refuse,
 )
 from ditops.integrations.flux import norm_out_forward
+from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.hunyuan_attention import (
     HunyuanOps,
     HunyuanVideo15AttnProcessor,
@@ -124,7 +123,7 @@ def double_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
 
-    Installed through :func:`~ditops.integrations.base.install_guarded`; a deep copy of
+    Installed through :func:`~ditops.integrations.guard.install_guarded`; a deep copy of
     the block gets a partial bound to the copy and its own ops. Like diffusers', it
     ignores the token-replace arguments the model passes every block.
     """
@@ -216,7 +215,7 @@ def _fused_classes() -> dict[type, Callable[..., Any]]:
 
 def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
     """The fused forward of a block's class (a function of ``(block, ops, *args)``), or
-    None: diffusers' own. Installed through :func:`~.base.install_guarded`, it runs only
+    None: diffusers' own. Installed through :func:`~.guard.install_guarded`, it runs only
     while nothing is attached to the sub-modules it bypasses (:data:`_BYPASSED`)."""
     return _fused_classes().get(type(block))
 

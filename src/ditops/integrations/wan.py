@@ -54,16 +54,14 @@ from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
-    Bypass,
     PatchOptions,
     PatchRecord,
     WrappingProcessor,
     fingerprint,
-    forward_wrapper_problem,
-    install_guarded,
     refuse,
     register_like,
 )
+from ditops.integrations.guard import Bypass, forward_wrapper_problem, install_guarded
 from ditops.integrations.norms import swap_norms
 from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
 from ditops.integrations.steps import StepState, track_steps
@@ -127,7 +125,7 @@ class WanPlan:
     count_steps: bool = False
 
 
-#: What the fused block computes without calling it (see :class:`~.base.Bypass`).
+#: What the fused block computes without calling it (see :class:`~.guard.Bypass`).
 BLOCK_BYPASSES = ("norm1", "norm2", "norm3")
 
 
@@ -328,7 +326,7 @@ def fused_block_forward(
 ) -> torch.Tensor:
     """``WanTransformerBlock.forward`` on the fused ops (see the module docstring).
 
-    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
+    Installed through :func:`~ditops.integrations.guard.install_guarded`: it runs only
     while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
     """
     mods = _modulations(block, temb)
