@@ -57,7 +57,7 @@ from ditops.integrations.base import (
     is_plain_layer_norm,
     refuse,
 )
-from ditops.integrations.flux import norm_out_forward
+from ditops.integrations.flux_forwards import norm_out_forward
 from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.hunyuan_attention import (
     HunyuanOps,
