@@ -18,8 +18,8 @@ largest magnitude, bitwise equality). The attention modules' share of the time (
 prologue, attention, projections) is timed by forward hooks.
 
 ``size`` picks the shape: ``small`` is FLUX's head dim (128) at a sixth of its width
-(4 heads), one block of each kind, 576 image and 128 text tokens (a few seconds per
-forward on 2 CPU cores without AMX, where bf16 matmuls are slow); ``full`` is
+(4 heads), one block of each kind, 576 image and 128 text tokens (its times on a CPU
+without AMX, where bf16 matmuls are slow: benchmarks/cpu/flux.txt); ``full`` is
 FLUX.1's width (24 heads of 128, [1, 4608, 24, 128] q/k in the prologue) with one block
 of each kind. Keyword arguments of :func:`run` override the config.
 """

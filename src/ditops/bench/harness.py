@@ -343,8 +343,9 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
 def cpu_features() -> str:
     """What this CPU gives torch's kernels: its capability and AVX-512 / AMX, in words.
 
-    Timings move with these (field notes: dense SDPA is 5x faster with AMX; without
-    AVX-512, bf16 matmuls take a slow fallback).
+    Timings move with these: dense SDPA runs much faster with AMX (the ``native`` rows of
+    benchmarks/cpu/attention.txt, recorded with AMX, and of attention-avx2.txt, without);
+    without AVX-512, bf16 matmuls take a slow fallback.
     """
     flags: set[str] = set()
     try:

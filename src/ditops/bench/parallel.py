@@ -40,7 +40,8 @@ SPARSITY = 0.75
 
 def variants() -> list[tuple[str, dict[str, Any] | None]]:
     """The wan suite's kinds of variant, one sparsity: each costs a one-process and a
-    parallel forward per step (on 2 CPU cores the default model takes ~12 s + ~7 s)."""
+    parallel forward per step (benchmarks/cpu/wan_parallel_ulysses.txt and
+    wan_parallel_ring.txt record their times, at a smaller video)."""
     from ditops.attention.schedule import BlockSparseConfig
     from ditops.bench import wan
 

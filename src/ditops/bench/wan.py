@@ -199,7 +199,7 @@ def run(
                     )
                     outputs[(name, i)] = outputs[("norms exact", i)]
                     continue
-                # The faster of the repeats: one noisy call moves a forward by 10%.
+                # The faster of the repeats: a single call can catch a noisy moment.
                 timings = [call(use(name, options, r), i, latents[i]) for r in range(repeats)]
                 out, seconds, section_seconds, att = min(timings, key=lambda t: t[1])
                 outputs[(name, i)] = out

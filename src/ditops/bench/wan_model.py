@@ -123,5 +123,6 @@ def cpu_warning(device: torch.device, dtype: torch.dtype) -> str | None:
 
 def default_dtype(device: torch.device) -> torch.dtype:
     """bfloat16 (what Wan runs in), or float32 on a CPU whose bf16 matmuls are a slow
-    fallback (:func:`cpu_warning`): the same work, measured in minutes rather than hours."""
+    fallback (:func:`cpu_warning`): the same work, in far less time (one forward in each
+    dtype: benchmarks/cpu/probes/wan_forward_dtype.txt)."""
     return torch.float32 if cpu_warning(device, torch.bfloat16) else torch.bfloat16
