@@ -110,7 +110,7 @@ def _bench(args: argparse.Namespace) -> int:
         run_cases,
         write_json,
     )
-    from ditops.bench.suites import all_suites
+    from ditops.bench.suites import SUITES, get_suite
 
     problem = _bench_argument_problem(args)
     if problem:  # before any benchmark runs: minutes of work never end in a traceback
@@ -118,14 +118,13 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if args.parallel:
         return _bench_parallel(args)
-    suites = all_suites()
     names = args.suites or ["wan"]
     models = ("wan", "flux", "hunyuan_video")
-    unknown = [n for n in names if n not in suites and n not in models]
+    unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
             f"ditops bench: unknown suite(s) {', '.join(unknown)}; "
-            f"available: {', '.join(models)}, {', '.join(sorted(suites))}",
+            f"available: {', '.join(models)}, {', '.join(sorted(SUITES))}",
             file=sys.stderr,
         )
         return 2
@@ -147,7 +146,7 @@ def _bench(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 return 2
-            from ditops.bench.wan import ModelLoadError
+            from ditops.bench.wan_model import ModelLoadError
 
             try:
                 payload["wan"] = _bench_wan(args, device)
@@ -166,7 +165,7 @@ def _bench(args: argparse.Namespace) -> int:
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
             payload[name] = hunyuan_video.cli(device, args.size, not args.no_progress, dtype)
             continue
-        suite = suites[name]
+        suite = get_suite(name)
         where = f", malloc {malloc}" if malloc else ""
         print(
             f"ditops bench: {name} ({suite.title}) on {device}, size {args.size}{where}",
@@ -226,7 +225,7 @@ def _bench_parallel(args: argparse.Namespace) -> int:
         )
         return 2
     from ditops.bench import parallel
-    from ditops.bench.wan import ModelLoadError
+    from ditops.bench.wan_model import ModelLoadError
 
     try:
         return parallel.main(args)
@@ -271,12 +270,14 @@ def _bench_other_malloc_state(
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     from ditops.bench import wan
+    from ditops.bench.wan_model import cpu_warning, default_dtype
+    from ditops.bench.wan_report import print_report
     from ditops.platform import cpu_half_matmuls_slow
 
     where = f"--model {args.model}" if args.model else "the built-in small Wan config"
     print(f"ditops bench: wan ({where}) on {device}, size {args.size}", file=sys.stderr)
     if args.dtype == "auto":
-        dtype = wan.default_dtype(device)
+        dtype = default_dtype(device)
         if dtype != torch.bfloat16:
             print(
                 f"ditops bench: --dtype auto chose float32: this CPU (torch capability "
@@ -286,7 +287,7 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
             )
     else:
         dtype = getattr(torch, args.dtype)
-        warning = wan.cpu_warning(device, dtype)
+        warning = cpu_warning(device, dtype)
         if warning:
             print(f"ditops bench: {warning}", file=sys.stderr)
     result = wan.run(
@@ -297,7 +298,7 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
         plot_path=WAN_PLOT if args.plot is None else args.plot,
         dtype=dtype,
     )
-    wan.print_report(result)
+    print_report(result)
     if args.plot != "":
         print(f"wrote {WAN_PLOT if args.plot is None else args.plot}", file=sys.stderr)
     return result

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ditops import cli, config
-from ditops.bench import harness, suites, wan
+from ditops.bench import harness, suites, wan, wan_model, wan_probes, wan_report
 from ditops.bench.harness import Case, ratios, run_cases
 
 
@@ -78,7 +78,7 @@ def test_bench_rejects_unknown_suite(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
     tiny = {
-        **wan.DEFAULT_CONFIG,
+        **wan_model.DEFAULT_CONFIG,
         "num_attention_heads": 2,
         "attention_head_dim": 16,
         "text_dim": 16,
@@ -88,7 +88,7 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
         "out_channels": 4,
         "rope_max_seq_len": 64,
     }
-    monkeypatch.setattr(wan, "DEFAULT_CONFIG", tiny)
+    monkeypatch.setattr(wan_model, "DEFAULT_CONFIG", tiny)
     # 5 frames of 16 x 16 tokens: 10 blocks of 128, the first frame 2 of them (forced
     # blocks 0.44 of the map: sparsity 0.75 and 0.9 run them alone, 0.5 runs 0.5).
     monkeypatch.setattr(wan, "LATENTS", {"small": (1, 4, 5, 32, 32)})
@@ -123,12 +123,12 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     assert s5["estimate_s"] + s5["attention_s"] <= s5["sparse_step_sections"]["self-attention"]
     assert summary["unpatched"]["dense_attention_s"] is None
     assert all(r["attention"]["dense_s"] > 0 for r in result["rows"] if r["dense"])
-    assert set(summary["unpatched"]["mean_sections"]) == set(wan.SECTIONS.values())
+    assert set(summary["unpatched"]["mean_sections"]) == set(wan_probes.SECTIONS.values())
     assert result["video_tokens"] == 5 * 16 * 16
     assert "capability" in result["machine"]["cpu_features"]
     assert plot.stat().st_size > 1000
     text = io.StringIO()
-    wan.print_report(result, out=text)
+    wan_report.print_report(result, out=text)
     report = text.getvalue()
     assert "target: sparsity 0.75 at >= 1.8x per sparse step" in report
     assert "sparse 0.75 /2: against estimating at every step" in report
@@ -178,8 +178,8 @@ def test_bench_wan_loads_a_saved_checkpoint_keeping_fp32_modules(tmp_path) -> No
     from tests.integrations.test_diffusers_wan import TINY
 
     WanTransformer3DModel(**TINY).save_pretrained(tmp_path)
-    model = wan.build_model(str(tmp_path), torch.device("cpu"), torch.bfloat16)
-    built = wan.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+    model = wan_model.build_model(str(tmp_path), torch.device("cpu"), torch.bfloat16)
+    built = wan_model.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
     dtypes = {n: p.dtype for n, p in model.state_dict().items()}
     assert dtypes == {n: p.dtype for n, p in built.state_dict().items()}
     assert dtypes["blocks.0.scale_shift_table"] == torch.float32
@@ -194,7 +194,7 @@ def test_default_model_is_built_without_diffusers_fp32_warning(caplog) -> None:
     with caplog.at_level(logging.WARNING):
         from diffusers import WanTransformer3DModel
 
-        wan.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
+        wan_model.cast_like_from_pretrained(WanTransformer3DModel(**TINY), torch.bfloat16)
     assert not any("kept in float32" in r.getMessage() for r in caplog.records)
 
 
@@ -274,6 +274,12 @@ def _toy_cases(device: torch.device, size: str) -> Iterator[Case]:
     )
 
 
+def test_every_listed_suite_is_defined_by_its_module() -> None:
+    for name, module in suites.SUITES.items():
+        suite = suites.get_suite(name)
+        assert suite.name == name and sys.modules[module].SUITE is suite
+
+
 @pytest.mark.parametrize("mode", ["both", "current"])
 def test_bench_runs_malloc_suites_in_both_states(
     monkeypatch: pytest.MonkeyPatch,
@@ -282,7 +288,8 @@ def test_bench_runs_malloc_suites_in_both_states(
     mode: str,
 ) -> None:
     toy = suites.Suite("toy_alloc", "toy", _toy_cases, lambda size: 3, malloc_states=True)
-    monkeypatch.setitem(suites._SUITES, "toy_alloc", toy)
+    monkeypatch.setitem(suites.SUITES, "toy_alloc", __name__)  # this module's SUITE
+    monkeypatch.setattr(sys.modules[__name__], "SUITE", toy, raising=False)
     monkeypatch.setattr(cli, "_glibc", lambda: True)
     here = harness.malloc_state()
     other = "grows" if here == "fixed" else "fixed"

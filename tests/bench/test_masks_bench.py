@@ -10,7 +10,7 @@ import torch
 
 from ditops import cli
 from ditops.attention.methods import METHODS
-from ditops.bench import masks, suites
+from ditops.bench import masks
 from ditops.bench.harness import ratios, run_cases
 
 TINY = {"keeps": (0.6,), "heads": 2, "dim": 24, "block_size": 32, "stride": 4, "samples": 2}
@@ -38,7 +38,7 @@ def test_summary_has_every_method_against_both_oracles(tmp_path) -> None:
 
 def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
     tiny = dataclasses.replace(masks.SUITE, cases=tiny_cases, steps=lambda size: 9)
-    monkeypatch.setitem(suites._SUITES, "masks", tiny)
+    monkeypatch.setattr(masks, "SUITE", tiny)
     png, out = tmp_path / "masks.png", tmp_path / "masks.json"
     argv = ["bench", "masks", "--no-progress", "--min-seconds", "0", "--device", "cpu"]
     assert cli.main([*argv, "--plot", str(png), "--json", str(out)]) == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from ditops import cli
-from ditops.bench import parallel, wan
+from ditops.bench import parallel, wan, wan_model
 from tests.integrations.process_group import run_group
 from tests.integrations.test_diffusers_wan import TINY as TINY_WAN
 
@@ -19,7 +19,7 @@ pytest.importorskip("diffusers", reason="the diffusers extra is part of the test
 from diffusers import ContextParallelConfig, WanTransformer3DModel  # noqa: F401
 
 #: the bench's model (qk norm, eps) at the test model's sizes
-TINY = {**wan.DEFAULT_CONFIG, **TINY_WAN}
+TINY = {**wan_model.DEFAULT_CONFIG, **TINY_WAN}
 
 
 def test_parallel_without_torchrun_says_how_to_launch(
@@ -57,7 +57,7 @@ def _bench_both_modes(rank: int, world: int) -> dict[str, Any]:
     import ditops
 
     # the forked rank's own copy of the module: no need to undo
-    wan.DEFAULT_CONFIG = TINY
+    wan_model.DEFAULT_CONFIG = TINY
     wan.LATENTS = {"small": (1, 4, 4, 16, 16)}  # 256 tokens: 2 blocks of 128
     wan.STEPS = {"small": 2}
     wan.TEXT_TOKENS = 8

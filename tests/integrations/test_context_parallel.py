@@ -35,7 +35,7 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.bench.wan import cast_like_from_pretrained
+from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.custom_op import registered_ops
 from ditops.integrations.parallel import split_sizes
 from tests.integrations.process_group import run_group

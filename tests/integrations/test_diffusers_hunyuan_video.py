@@ -334,10 +334,10 @@ def test_a_token_replace_norm_it_was_not_written_for_is_refused() -> None:
 def test_another_diffusers_version_is_refused_by_fingerprint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    relied_on = hv_integration._relied_on()
+    relied_on = hv_integration.relied_on()
     fn, _ = relied_on["HunyuanVideoAttnProcessor2_0.__call__"]
     relied_on["HunyuanVideoAttnProcessor2_0.__call__"] = (fn, {"0" * 16: "diffusers 0.1"})
-    monkeypatch.setattr(hv_integration, "_relied_on", lambda: relied_on)
+    monkeypatch.setattr(hv_integration, "relied_on", lambda: relied_on)
     model = tiny_hunyuan()
     with pytest.raises(PatchError, match=r"HunyuanVideoAttnProcessor2_0.__call__ of .* differs"):
         ditops.patch(model)

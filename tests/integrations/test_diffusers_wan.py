@@ -15,7 +15,7 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.bench.wan import cast_like_from_pretrained
+from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError, set_step
 from ditops.integrations.base import ClassSwap
 from ditops.layers.norm import FP32LayerNorm

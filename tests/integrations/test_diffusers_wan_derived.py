@@ -25,7 +25,7 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.bench.wan import cast_like_from_pretrained
+from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import spy_forward_cpu
@@ -263,14 +263,14 @@ def test_skyreels_causal_mask_runs_dense_on_sparse_steps_and_warns(
 ) -> None:
     """Block-sparse attention takes no mask: with SkyReels-V2's causal frame blocks a
     sparse step runs dense attention with the mask, bitwise the unpatched model."""
-    from ditops.integrations import wan
+    from ditops.integrations import wan_attention
 
     model = build("skyreels_v2", num_frame_per_block=2)
     x = inputs("skyreels_v2", frames=4, hw=16)
     ref = run(model, step=1, **x)
     cfg = BlockSparseConfig(sparsity=0.5, block_size=16, stride=4)
     ditops.patch(model, precision="exact", attention=cfg)
-    wan._WARNED.clear()
+    wan_attention._WARNED.clear()
     with caplog.at_level(logging.WARNING, logger="ditops"):
         assert torch.equal(run(model, step=1, **x), ref)
     assert estimates == []

@@ -41,7 +41,7 @@ WAN = dict(
 def build_wan() -> tuple[torch.nn.Module, dict]:
     from diffusers import WanTransformer3DModel
 
-    from ditops.bench.wan import cast_like_from_pretrained
+    from ditops.bench.wan_model import cast_like_from_pretrained
 
     torch.manual_seed(0)
     model = cast_like_from_pretrained(WanTransformer3DModel(**WAN).eval(), torch.bfloat16)

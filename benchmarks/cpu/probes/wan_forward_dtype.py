@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from ditops.bench import wan
+from ditops.bench import wan, wan_model
 
 dtype = getattr(torch, sys.argv[1])
 torch.manual_seed(0)
-model = wan.build_model(None, torch.device("cpu"), dtype)
+model = wan_model.build_model(None, torch.device("cpu"), dtype)
 latents = torch.randn(wan.LATENTS["small"]).to(dtype)
 text = torch.randn(1, wan.TEXT_TOKENS, model.config.text_dim).to(dtype)
 with torch.inference_mode():

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from ditops.attention.block_mask import density_stats, num_blocks
 from ditops.attention.methods import DEFAULT_METHOD
 from ditops.bench.harness import Case, variants_by_case
-from ditops.bench.suites import Suite, register_suite
+from ditops.bench.suite import Suite
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
 #: (frames, height, width) in tokens: Wan's 21 latent frames, small and 480p.
@@ -221,14 +221,12 @@ def _steps(size: str) -> int:
     return len(SHAPES[size]) * len(KEEPS) * len(VARIANTS)
 
 
-SUITE = register_suite(
-    Suite(
-        name="attention",
-        title=f"adaptive block-sparse attention, [1, 12, S, 128] bf16, video-like q/k, "
-        f"mask method {METHOD!r}",
-        cases=cases,
-        steps=_steps,
-    )
+SUITE = Suite(
+    name="attention",
+    title=f"adaptive block-sparse attention, [1, 12, S, 128] bf16, video-like q/k, "
+    f"mask method {METHOD!r}",
+    cases=cases,
+    steps=_steps,
 )
 
 

@@ -18,8 +18,8 @@ largest magnitude, bitwise equality). The attention modules' share of the time (
 prologue, attention, projections) is timed by forward hooks.
 
 ``size`` picks the shape: ``small`` is FLUX's head dim (128) at a sixth of its width
-(4 heads), one block of each kind, 576 image and 128 text tokens (a few seconds per
-forward on 2 CPU cores without AMX, where bf16 matmuls are slow); ``full`` is
+(4 heads), one block of each kind, 576 image and 128 text tokens (its times on a CPU
+without AMX, where bf16 matmuls are slow: benchmarks/cpu/flux.txt); ``full`` is
 FLUX.1's width (24 heads of 128, [1, 4608, 24, 128] q/k in the prologue) with one block
 of each kind. Keyword arguments of :func:`run` override the config.
 """
@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from ditops.bench.harness import timed_forward
+from ditops.bench.harness import sync, timed_forward
 
 #: FLUX.1's structure; ``SIZES`` set the width and the token counts.
 BASE_CONFIG: dict[str, Any] = {
@@ -109,8 +109,6 @@ class _AttentionTimer:
     """Seconds spent inside the model's attention modules during one forward."""
 
     def __init__(self, model: Any, device: torch.device) -> None:
-        from ditops.bench.harness import _sync
-
         self.seconds = 0.0
         self._handles: list[Any] = []
         modules = [b.attn for b in model.transformer_blocks] + [
@@ -119,11 +117,11 @@ class _AttentionTimer:
         start = [0.0]
 
         def pre(*_: Any) -> None:
-            _sync(device)
+            sync(device)
             start[0] = time.perf_counter()
 
         def post(*_: Any) -> None:
-            _sync(device)
+            sync(device)
             self.seconds += time.perf_counter() - start[0]
 
         for m in modules:

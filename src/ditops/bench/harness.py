@@ -67,14 +67,16 @@ def timed_forward(
 ) -> tuple[Any, float]:
     """One ``model(**x)`` forward (inference mode) and its seconds, the device synchronised."""
     with torch.inference_mode():
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         out = model(**x, return_dict=False)[0]
-        _sync(device)
+        sync(device)
         return out, time.perf_counter() - t0
 
 
-def _sync(device: torch.device) -> None:
+def sync(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` to finish (nothing to wait for on CPU), so
+    that a wall-clock reading after it covers that work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "xpu":
@@ -98,7 +100,7 @@ def time_call(
     a core, the CPU time what the call did)."""
     for _ in range(warmup):
         fn()
-    _sync(device)
+    sync(device)
     times: list[float] = []
     cpu: list[float] = []
     start = time.perf_counter()
@@ -107,7 +109,7 @@ def time_call(
     ):
         t0, c0 = time.perf_counter(), time.process_time()
         fn()
-        _sync(device)
+        sync(device)
         times.append(time.perf_counter() - t0)
         cpu.append(time.process_time() - c0)
     return statistics.median(times), min(times), len(times), statistics.median(cpu)
@@ -341,8 +343,9 @@ def run_child(argv: list[str], env: dict[str, str]) -> int:
 def cpu_features() -> str:
     """What this CPU gives torch's kernels: its capability and AVX-512 / AMX, in words.
 
-    Timings move with these (field notes: dense SDPA is 5x faster with AMX; without
-    AVX-512, bf16 matmuls take a slow fallback).
+    Timings move with these: dense SDPA runs much faster with AMX (the ``native`` rows of
+    benchmarks/cpu/attention.txt, recorded with AMX, and of attention-avx2.txt, without);
+    without AVX-512, bf16 matmuls take a slow fallback.
     """
     flags: set[str] = set()
     try:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ditops.bench.harness import timed_forward
+from ditops.bench.harness import sync, timed_forward
 
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 16,
@@ -117,7 +117,6 @@ class _Probe:
     """
 
     def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
-        from ditops.bench.harness import _sync
         from ditops.layers.attention import estimate_block_mask
 
         self.seconds = 0.0
@@ -125,11 +124,11 @@ class _Probe:
         start = [0.0]
 
         def pre(*_: Any) -> None:
-            _sync(device)
+            sync(device)
             start[0] = time.perf_counter()
 
         def post(*_: Any) -> None:
-            _sync(device)
+            sync(device)
             self.seconds += time.perf_counter() - start[0]
 
         def estimated(_m: Any, _a: Any, out: Any) -> None:

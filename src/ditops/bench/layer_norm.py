@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from ditops import config
 from ditops.bench.harness import Case
-from ditops.bench.suites import Suite, register_suite
+from ditops.bench.suite import Suite
 from ditops.layers.norm import FP32LayerNorm
 
 WIDTHS = (1536, 3072, 5120)  # Wan 1.3B / FLUX, Wan 14B, Wan 14B FFN-free dims
@@ -69,12 +69,10 @@ def cases(device: torch.device, size: str) -> Iterator[Case]:
             )
 
 
-SUITE = register_suite(
-    Suite(
-        name="layer_norm",
-        title="FP32LayerNorm, bf16 in/out, fp32 weights",
-        cases=cases,
-        steps=lambda size: len(ROWS[size]) * len(WIDTHS) * 5,
-        malloc_states=True,
-    )
+SUITE = Suite(
+    name="layer_norm",
+    title="FP32LayerNorm, bf16 in/out, fp32 weights",
+    cases=cases,
+    steps=lambda size: len(ROWS[size]) * len(WIDTHS) * 5,
+    malloc_states=True,
 )

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from ditops.attention.estimate import forced_block_mask
 from ditops.attention.methods import DEFAULT_SAMPLES, METHODS
 from ditops.bench.harness import Case, variants_by_case
-from ditops.bench.suites import Suite, register_suite
+from ditops.bench.suite import Suite
 from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
@@ -120,13 +120,11 @@ def _steps(size: str) -> int:
     return len(SIZES[size]) * len(KEEPS) * (1 + 2 * len(METHODS))
 
 
-SUITE = register_suite(
-    Suite(
-        name="masks",
-        title="block-mask estimation methods, [1, 12, S, 128], video-like attention",
-        cases=cases,
-        steps=_steps,
-    )
+SUITE = Suite(
+    name="masks",
+    title="block-mask estimation methods, [1, 12, S, 128], video-like attention",
+    cases=cases,
+    steps=_steps,
 )
 
 

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from ditops import config
 from ditops.bench.harness import Case
-from ditops.bench.suites import Suite, register_suite
+from ditops.bench.suite import Suite
 from ditops.layers.modulation import layer_norm_scale_shift, scale_residual_layer_norm_scale_shift
 
 WIDTHS = (1536, 3072, 5120)  # Wan 1.3B, Wan2.2 TI2V-5B, Wan 14B
@@ -139,12 +139,10 @@ def _steps(size: str) -> int:
     return len(OPS[size]) * len(ROWS[size]) * len(WIDTHS) * len(MODULATIONS) * 5
 
 
-SUITE = register_suite(
-    Suite(
-        name="modulation",
-        title="Wan modulation: (LN(h) * (1 + scale) + shift), bf16 activations, fp32 modulation",
-        cases=cases,
-        steps=_steps,
-        malloc_states=True,
-    )
+SUITE = Suite(
+    name="modulation",
+    title="Wan modulation: (LN(h) * (1 + scale) + shift), bf16 activations, fp32 modulation",
+    cases=cases,
+    steps=_steps,
+    malloc_states=True,
 )

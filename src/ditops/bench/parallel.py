@@ -5,7 +5,7 @@
 MODE is diffusers' context parallelism over the ``P`` ranks torchrun starts: ``ulysses``
 (``ulysses_degree=P``), ``ring`` (``ring_degree=P``) or ``unified`` (``ring_degree=2``,
 ``ulysses_degree=P/2``). Every rank builds the model of the ``wan`` suite twice (the same
-weights: :func:`ditops.bench.wan.build_model`): one stays a one-process model on the
+weights: :func:`ditops.bench.wan_model.build_model`): one stays a one-process model on the
 rank's device, the other gets ``enable_parallelism``. For each step and each of the
 variants (unpatched, exact norms, sparse attention: :func:`variants`), the two run the same
 denoiser call in turns, and rank 0 prints the seconds per forward of one process and of
@@ -40,7 +40,8 @@ SPARSITY = 0.75
 
 def variants() -> list[tuple[str, dict[str, Any] | None]]:
     """The wan suite's kinds of variant, one sparsity: each costs a one-process and a
-    parallel forward per step (on 2 CPU cores the default model takes ~12 s + ~7 s)."""
+    parallel forward per step (benchmarks/cpu/wan_parallel_ulysses.txt and
+    wan_parallel_ring.txt record their times, at a smaller video)."""
     from ditops.attention.schedule import BlockSparseConfig
     from ditops.bench import wan
 
@@ -129,12 +130,12 @@ def _forward(
     seconds are the slowest rank's."""
     import torch.distributed as dist
 
-    from ditops.bench import wan
-    from ditops.bench.harness import _sync
+    from ditops.bench.harness import sync
+    from ditops.bench.wan_probes import timed_step
 
-    _sync(device)
+    sync(device)
     dist.barrier()
-    out, seconds = wan._forward(model, latents, timesteps, text, step, n_steps, device)
+    out, seconds = timed_step(model, latents, timesteps, text, step, n_steps, device)
     slowest = torch.tensor([seconds], dtype=torch.float64, device=latents.device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return out, float(slowest)
@@ -181,12 +182,13 @@ def run(
 
     from ditops.bench import wan
     from ditops.bench.harness import Progress
+    from ditops.bench.wan_model import build_model
     from ditops.integrations import patch, unpatch
 
     rank, world = dist.get_rank(), dist.get_world_size()
     cp_config = context_parallel_config(mode, world)
-    single = wan.build_model(model_path, device, dtype)
-    parallel = wan.build_model(model_path, device, dtype)
+    single = build_model(model_path, device, dtype)
+    parallel = build_model(model_path, device, dtype)
     parallel.enable_parallelism(config=cp_config)
     cfg = single.config
     latent = list(wan.LATENTS[size])
@@ -369,10 +371,10 @@ def main(args: Any) -> int:
                 f"({device.type}), size {args.size}",
                 file=sys.stderr,
             )
-        from ditops.bench import wan
+        from ditops.bench.wan_model import default_dtype
 
         dtype = getattr(args, "dtype", "auto")
-        dtype = wan.default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
+        dtype = default_dtype(device) if dtype == "auto" else getattr(torch, dtype)
         with cpu_shims():
             result = run(
                 args.parallel,

@@ -38,7 +38,7 @@ import torch
 
 from ditops import config
 from ditops.bench.harness import Case, Result, variants_by_case
-from ditops.bench.suites import Suite, register_suite
+from ditops.bench.suite import Suite
 from ditops.layers.qk_norm_rope import qk_norm_rope
 
 HEAD_DIM = 128
@@ -239,13 +239,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-SUITE = register_suite(
-    Suite(
-        name="qk_norm_rope",
-        title="attention prologue: RMSNorm + rotary of q and k, bf16, Wan and FLUX shapes",
-        cases=cases,
-        steps=_steps,
-    )
+SUITE = Suite(
+    name="qk_norm_rope",
+    title="attention prologue: RMSNorm + rotary of q and k, bf16, Wan and FLUX shapes",
+    cases=cases,
+    steps=_steps,
 )
 
 

@@ -1,51 +1,32 @@
-"""The registry of benchmark suites ``ditops bench`` can run.
+"""The benchmark suites ``ditops bench`` can run, by name (:class:`~ditops.bench.suite.Suite`).
 
-A suite is a function ``(device, size) -> Iterator[Case]`` plus how many timed steps it
-makes (for the progress bar). ``size`` is ``"small"`` (the default: a minute or two on a
-2-core CPU) or ``"full"`` (every shape the issue asks for).
+:data:`SUITES` names the module of each suite; a suite's module is imported when the
+suite is first asked for (:func:`get_suite`), so naming one suite imports that one only.
+The model suites (``wan``, ``flux``, ``hunyuan_video``) are not suites of cases: the CLI
+runs them itself.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+import importlib
 
-import torch
-
-from ditops.bench.harness import Case
+from ditops.bench.suite import Suite
 
 SIZES = ("small", "full")
 
-
-@dataclass(frozen=True)
-class Suite:
-    name: str
-    title: str
-    cases: Callable[[torch.device, str], Iterator[Case]]
-    steps: Callable[[str], int]
-    #: its kernels allocate per block of rows on CPU: bench them in both glibc malloc
-    #: states (see :mod:`ditops.bench.harness`)
-    malloc_states: bool = False
+#: suite name -> the module that defines it as ``SUITE``
+SUITES: dict[str, str] = {
+    "layer_norm": "ditops.bench.layer_norm",
+    "modulation": "ditops.bench.modulation",
+    "attention": "ditops.bench.attention",
+    "masks": "ditops.bench.masks",
+    "qk_norm_rope": "ditops.bench.qk_norm_rope",
+}
 
 
-_SUITES: dict[str, Suite] = {}
-
-
-def register_suite(suite: Suite) -> Suite:
-    if suite.name in _SUITES:
-        raise ValueError(f"a benchmark suite named {suite.name!r} already exists")
-    _SUITES[suite.name] = suite
+def get_suite(name: str) -> Suite:
+    """Suite ``name`` (a key of :data:`SUITES`), its module imported on first call."""
+    suite: Suite = importlib.import_module(SUITES[name]).SUITE
+    if suite.name != name:
+        raise ValueError(f"{SUITES[name]}.SUITE is named {suite.name!r}, listed as {name!r}")
     return suite
-
-
-def all_suites() -> dict[str, Suite]:
-    """Suites by name, importing the suite modules on first call."""
-    from ditops.bench import layer_norm  # noqa: F401 - registers itself
-
-    for module in ("modulation", "attention", "masks", "qk_norm_rope"):
-        try:
-            __import__(f"ditops.bench.{module}")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"ditops.bench.{module}":
-                raise
-    return dict(_SUITES)

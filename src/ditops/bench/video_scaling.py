@@ -12,7 +12,7 @@ module(s) timed and their share of the forward.
   output projections).
 * ``wan``: a one-layer ``WanTransformer3DModel`` of Wan2.1's geometry (12 heads of 128,
   dim 1536, ffn 8960, patch (1, 2, 2); text_dim 512 to keep it cheap, built by
-  :func:`ditops.bench.wan.build_model`), 512 text tokens; the module timed is the
+  :func:`ditops.bench.wan_model.build_model`), 512 text tokens; the module timed is the
   **self-attention** ``attn1`` alone (projections, q/k norm and rope, attention, output):
   the cross-attention to the text counts in the rest.
 
@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ditops.bench import hunyuan_video as hv
-from ditops.bench import wan
+from ditops.bench import wan, wan_model
 from ditops.bench.harness import timed_forward
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
@@ -88,12 +88,12 @@ FAMILIES: dict[str, Family] = {
     "wan": Family(
         model="Wan2.1 geometry, 1 layer; attn: self-attention (attn1) only, cross-attention "
         "in the rest",
-        config=lambda o: {**wan.DEFAULT_CONFIG, "num_layers": 1, "text_dim": 512, **o},
-        build=lambda device, dtype, config: wan.build_model(None, device, dtype, **config),
-        inputs=wan.make_inputs,
+        config=lambda o: {**wan_model.DEFAULT_CONFIG, "num_layers": 1, "text_dim": 512, **o},
+        build=lambda device, dtype, config: wan_model.build_model(None, device, dtype, **config),
+        inputs=wan_model.make_inputs,
         attention=lambda model: [b.attn1 for b in model.blocks],
         patch=_wan_patch,
-        default_dtype=wan.default_dtype,
+        default_dtype=wan_model.default_dtype,
         targets=WAN_TARGETS,
         text_tokens=wan.TEXT_TOKENS,
     ),

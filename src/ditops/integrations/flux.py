@@ -24,8 +24,9 @@ arithmetic: the modulated norms on :func:`~ditops.layers.adaln.adaln_modulate`, 
 gated residual followed by a modulated norm on the fused
 :func:`~ditops.layers.adaln.adaln_residual_modulate`, the last residual of each stream on
 :func:`~ditops.layers.adaln.adaln_residual`; the fp16 clip where FLUX has it. Attention
-runs :class:`FusedFluxAttnProcessor`, which is ``FluxAttnProcessor`` with the prologue
-(RMSNorm of q and k per head, then the rotary embedding) on the fused
+runs :class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
+``FluxAttnProcessor`` with the prologue (RMSNorm of q and k per head, then the rotary
+embedding) on the fused
 :func:`~ditops.layers.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
 for the double-stream blocks one for the text tokens (``norm_added_q``/``norm_added_k``,
 the first rows of the tables) and one for the image tokens, concatenated as FLUX does.
@@ -38,6 +39,9 @@ checked with: a model that does not match is refused whole, with the reasons. At
 processors other than ``FluxAttnProcessor`` (IP-Adapter's, one of your own) are kept as
 they are (the blocks around them are still fused). Forwards wrapped by diffusers or
 accelerate hooks are patched under the hooks.
+
+This module checks a model and applies the patch; the fused forwards and the attention
+processor are in :mod:`ditops.integrations.flux_forwards`.
 """
 
 from __future__ import annotations
@@ -46,28 +50,31 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
-    Bypass,
     PatchError,
     PatchOptions,
     PatchRecord,
-    WrappingProcessor,
     fingerprint_problems,
-    forward_wrapper_problem,
-    install_guarded,
     is_plain_layer_norm,
     refuse,
     register_like,
 )
+from ditops.integrations.flux_forwards import (
+    DOUBLE_BYPASSES,
+    NORM_OUT_BYPASSES,
+    SINGLE_BYPASSES,
+    FluxOps,
+    FusedFluxAttnProcessor,
+    double_block_forward,
+    norm_out_forward,
+    single_block_forward,
+)
+from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 
 _DIFFUSERS_042 = "diffusers 0.42"
-
-#: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
-FP16_MAX = 65504.0
 
 
 def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
@@ -98,223 +105,6 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
         ),
         "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
     }  # fmt: skip
-
-
-#: What each fused forward computes without calling it (see :class:`~.base.Bypass`).
-DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-                   "norm2_context")  # fmt: skip
-SINGLE_BYPASSES = ("norm", "norm.norm")
-NORM_OUT_BYPASSES = ("norm",)
-
-
-def _prologue_bypass(attn: nn.Module) -> Bypass:
-    names = ["norm_q", "norm_k"]
-    if getattr(attn, "added_kv_proj_dim", None) is not None:
-        names += ["norm_added_q", "norm_added_k"]
-    return Bypass(tuple((name, nn.RMSNorm) for name in names))
-
-
-# --- the ops of one patched model ------------------------------------------------------------
-
-
-class _FluxOps:
-    """One set of op instances per patched model, carrying its precision (a plain object:
-    it deep-copies and pickles with the model)."""
-
-    def __init__(self, precision: str | None) -> None:
-        from ditops.layers import adaln, qk_norm_rope
-
-        self.modulate = adaln.AdaLNModulateOp()
-        self.residual = adaln.AdaLNResidualOp()
-        self.residual_modulate = adaln.AdaLNResidualModulateOp()
-        self.qk = qk_norm_rope.QKNormRopeOp()
-        for op in (self.modulate, self.residual, self.residual_modulate, self.qk):
-            op.precision = precision
-
-
-def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
-    # FLUX's own guard, in its own place (after the residual adds it names).
-    if h.dtype == torch.float16:
-        return h.clip(-FP16_MAX, FP16_MAX)
-    return h
-
-
-def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
-    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
-    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
-
-
-def double_block_forward(
-    block: nn.Module,
-    ops: _FluxOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FluxTransformerBlock.forward`` on ditops' ops (see the module docstring).
-
-    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
-    while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
-    """
-    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
-    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
-        block.norm1_context, temb, 6
-    )
-    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
-    c_n = ops.modulate(
-        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
-    )
-    outputs = block.attn(
-        hidden_states=n,
-        encoder_hidden_states=c_n,
-        image_rotary_emb=image_rotary_emb,
-        **(joint_attention_kwargs or {}),
-    )
-    if len(outputs) == 2:
-        attn_output, context_attn_output = outputs
-        ip_attn_output = None
-    elif len(outputs) == 3:
-        attn_output, context_attn_output, ip_attn_output = outputs
-    else:
-        raise ValueError(
-            f"FluxTransformerBlock: the attention processor returned {len(outputs)} outputs; "
-            "expected 2 (image, text) or 3 (with IP-Adapter's)"
-        )
-    n, hidden_states = ops.residual_modulate(
-        hidden_states, attn_output, gate.unsqueeze(1),
-        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
-    )  # fmt: skip
-    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
-    if ip_attn_output is not None:
-        hidden_states = hidden_states + ip_attn_output
-    c_n, encoder_hidden_states = ops.residual_modulate(
-        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
-        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
-    )  # fmt: skip
-    encoder_hidden_states = ops.residual(
-        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
-    )
-    return _clip_fp16(encoder_hidden_states), hidden_states
-
-
-def single_block_forward(
-    block: nn.Module,
-    ops: _FluxOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    joint_attention_kwargs: dict[str, Any] | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FluxSingleTransformerBlock.forward`` on ditops' ops (see the module docstring)."""
-    text_seq_len = encoder_hidden_states.shape[1]
-    residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = _ada_emb(block.norm, temb, 3)
-    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
-    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
-    attn_output = block.attn(
-        hidden_states=n, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
-    )
-    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
-    hidden_states = _clip_fp16(ops.residual(residual, out, gate.unsqueeze(1)))
-    return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
-
-
-def norm_out_forward(
-    norm: nn.Module, ops: _FluxOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
-) -> torch.Tensor:
-    """``AdaLayerNormContinuous.forward`` (layer norm without affine) on ditops' op."""
-    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)
-
-
-class FusedFluxAttnProcessor(WrappingProcessor):
-    """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
-    ``qk_norm_rope`` (see the module docstring); everything else is FLUX's code path.
-
-    The attention backend and the context-parallel config diffusers writes on a
-    processor (``_attention_backend``, ``_parallel_config``) are those of the wrapped
-    original, so ``set_attention_backend`` and ``enable_parallelism`` work before and
-    after the patch, and survive ``unpatch``. A call without rotary tables, or with
-    tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
-    """
-
-    def __init__(self, original: Any | None = None, ops: _FluxOps | None = None) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
-            original = FluxAttnProcessor()
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
-
-    def __call__(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> Any:
-        if (
-            self.ops is None
-            or image_rotary_emb is None
-            or image_rotary_emb[0].dim() != 2
-            or _prologue_bypass(attn).problem(attn) is not None
-        ):
-            # No ops, no rotation, tables other than FluxPosEmbed's [L, D], or q/k norms
-            # hooked or replaced since the patch: FLUX's own code (it calls the norms).
-            return self.original(
-                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
-            )
-        from diffusers.models.transformers import transformer_flux as tf
-
-        query, key, value, e_query, e_key, e_value = tf._get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        D = attn.head_dim
-        query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
-        # apply_rotary_emb rotates in fp32 whatever the tables' dtype: so does the op
-        # given fp32 tables (a no-op for FluxPosEmbed's, which are fp32).
-        cos, sin = (t.to(query.device, torch.float32) for t in image_rotary_emb)
-        qk = self.ops.qk
-        if attn.added_kv_proj_dim is not None:
-            e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
-            T = e_query.shape[1]
-            nq, nk = attn.norm_added_q, attn.norm_added_k
-            t_q, t_k = qk(e_query, e_key, nq.weight, nk.weight, cos[:T], sin[:T], nq.eps)
-            nq, nk = attn.norm_q, attn.norm_k
-            i_q, i_k = qk(query, key, nq.weight, nk.weight, cos[T:], sin[T:], nq.eps)
-            query = torch.cat([t_q, i_q], dim=1)
-            key = torch.cat([t_k, i_k], dim=1)
-            value = torch.cat([e_value, value], dim=1)
-        else:
-            nq, nk = attn.norm_q, attn.norm_k
-            query, key = qk(query, key, nq.weight, nk.weight, cos, sin, nq.eps)
-        hidden_states = tf.dispatch_attention_fn(
-            query,
-            key,
-            value,
-            attn_mask=attention_mask,
-            backend=self._attention_backend,
-            parallel_config=self._parallel_config,
-        )
-        hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
-        if encoder_hidden_states is None:
-            return hidden_states
-        encoder_hidden_states, hidden_states = hidden_states.split_with_sizes(
-            [
-                encoder_hidden_states.shape[1],
-                hidden_states.shape[1] - encoder_hidden_states.shape[1],
-            ],
-            dim=1,
-        )
-        hidden_states = attn.to_out[0](hidden_states.contiguous())
-        hidden_states = attn.to_out[1](hidden_states)
-        encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())
-        return hidden_states, encoder_hidden_states
 
 
 # --- check and apply ---------------------------------------------------------------------------
@@ -464,7 +254,7 @@ class FluxFamily:
         """Patch a checked FLUX model in place, recording every change on ``record``."""
         if not options.norms:
             return
-        ops = _FluxOps(options.precision)
+        ops = FluxOps(options.precision)
         kinds = (
             ("transformer_blocks", plan.double, double_block_forward, DOUBLE_BYPASSES),
             ("single_transformer_blocks", plan.single, single_block_forward, SINGLE_BYPASSES),

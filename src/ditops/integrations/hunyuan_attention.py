@@ -42,7 +42,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.base import Bypass, WrappingProcessor
+from ditops.integrations.base import WrappingProcessor
+from ditops.integrations.guard import Bypass
 from ditops.integrations.steps import StepState
 
 

@@ -54,12 +54,11 @@ from ditops.integrations.base import (
     PatchOptions,
     PatchRecord,
     fingerprint_problems,
-    forward_wrapper_problem,
-    install_guarded,
     is_plain_layer_norm,
     refuse,
 )
-from ditops.integrations.flux import norm_out_forward
+from ditops.integrations.flux_forwards import norm_out_forward
+from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.hunyuan_attention import (
     HunyuanOps,
     HunyuanVideo15AttnProcessor,
@@ -71,10 +70,10 @@ from ditops.integrations.steps import StepState, track_steps
 _DIFFUSERS_042 = "diffusers 0.42"
 
 
-def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
     fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
-    module was checked against."""
+    module was checked against. ``hunyuan_video15`` relies on some of them too."""
     from diffusers.models import embeddings, normalization
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
@@ -124,7 +123,7 @@ def double_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
 
-    Installed through :func:`~ditops.integrations.base.install_guarded`; a deep copy of
+    Installed through :func:`~ditops.integrations.guard.install_guarded`; a deep copy of
     the block gets a partial bound to the copy and its own ops. Like diffusers', it
     ignores the token-replace arguments the model passes every block.
     """
@@ -199,7 +198,7 @@ _BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
 def _fused_classes() -> dict[type, Callable[..., Any]]:
     """Block classes whose forward is :func:`double_block_forward` or
     :func:`single_block_forward` (HunyuanVideo-1.5's block is the same code: the
-    fingerprints in :func:`_relied_on` and ``hunyuan_video15`` say so)."""
+    fingerprints in :func:`relied_on` and ``hunyuan_video15`` say so)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
     from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
 
@@ -216,7 +215,7 @@ def _fused_classes() -> dict[type, Callable[..., Any]]:
 
 def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
     """The fused forward of a block's class (a function of ``(block, ops, *args)``), or
-    None: diffusers' own. Installed through :func:`~.base.install_guarded`, it runs only
+    None: diffusers' own. Installed through :func:`~.guard.install_guarded`, it runs only
     while nothing is attached to the sub-modules it bypasses (:data:`_BYPASSED`)."""
     return _fused_classes().get(type(block))
 
@@ -288,7 +287,7 @@ def _spec() -> Spec:
             ),
         },
         processor=hv.HunyuanVideoAttnProcessor2_0,
-        relied_on=lambda: _relied_on(),
+        relied_on=lambda: relied_on(),
     )  # fmt: skip
 
 

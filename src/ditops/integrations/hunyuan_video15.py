@@ -26,13 +26,8 @@ from typing import Any
 from torch import nn
 
 from ditops.integrations.base import PatchOptions, PatchRecord
-from ditops.integrations.hunyuan_video import (
-    HunyuanVideoPlan,
-    Spec,
-    apply_plan,
-    check_model,
-)
-from ditops.integrations.hunyuan_video import _relied_on as _hunyuan_relied_on
+from ditops.integrations.hunyuan_video import HunyuanVideoPlan, Spec, apply_plan, check_model
+from ditops.integrations.hunyuan_video import relied_on as hunyuan_relied_on
 
 _DIFFUSERS_042 = "diffusers 0.42"
 _SHARED = (
@@ -48,7 +43,7 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     fingerprints of the versions this module was checked against."""
     from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
 
-    shared = _hunyuan_relied_on()
+    shared = hunyuan_relied_on()
     return {
         # the same fingerprint as HunyuanVideoTransformerBlock.forward: the same code
         "HunyuanVideo15TransformerBlock.forward": (

@@ -13,13 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.base import (
-    ClassSwap,
-    PatchError,
-    PatchOptions,
-    PatchRecord,
-    attached_to,
-)
+from ditops.integrations.base import ClassSwap, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.guard import attached_to
 from ditops.layers.norm import FP32LayerNorm
 
 

@@ -17,7 +17,8 @@ rounded once: ``layer_norm_scale_shift`` for the first line, the fused
 residual add, which is the same fp32 add rounded once), and ``gated_residual`` for the
 last. In exact precision each is bitwise equal to those eager expressions.
 
-Self-attention (``attn1``) gets a processor of ditops' (:class:`WanSelfAttnProcessor`,
+Self-attention (``attn1``) gets a processor of ditops'
+(:class:`~ditops.integrations.wan_attention.WanSelfAttnProcessor`,
 wrapping diffusers' ``WanAttnProcessor``): with the fused blocks, ``norm_q``/``norm_k``
 and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precision);
 with ``attention=BlockSparseConfig(...)``, ditops'
@@ -39,12 +40,15 @@ against what this module was written for (types, sub-modules and fingerprints of
 block forwards and processors): a model that does not match is refused whole, with the
 reason. Blocks already wrapped by diffusers or
 accelerate hooks (caching, offloading, context parallelism) are patched under the hooks.
+
+This module recognises and checks the models (fingerprints, block kinds) and applies the
+patch; the fused block forwards are in :mod:`ditops.integrations.wan_blocks`, the
+self-attention processors in :mod:`ditops.integrations.wan_attention`.
 """
 
 from __future__ import annotations
 
 import importlib
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -54,21 +58,23 @@ from torch import nn
 
 from ditops.integrations.base import (
     AttrSet,
-    Bypass,
     PatchOptions,
     PatchRecord,
-    WrappingProcessor,
     fingerprint,
-    forward_wrapper_problem,
-    install_guarded,
     refuse,
     register_like,
 )
+from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.norms import swap_norms
-from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
 from ditops.integrations.steps import StepState, track_steps
-
-logger = logging.getLogger("ditops")
+from ditops.integrations.wan_attention import PROCESSORS
+from ditops.integrations.wan_blocks import (
+    BLOCK_BYPASSES,
+    ModulationOps,
+    fused_block_forward,
+    fused_skyreels_block_forward,
+    fused_vace_block_forward,
+)
 
 # base.fingerprint of the diffusers versions this module was checked against.
 #: ``WanTransformerBlock.forward`` (also the copies ChronoEdit and Wan-Animate define).
@@ -127,10 +133,6 @@ class WanPlan:
     count_steps: bool = False
 
 
-#: What the fused block computes without calling it (see :class:`~.base.Bypass`).
-BLOCK_BYPASSES = ("norm1", "norm2", "norm3")
-
-
 def _block_kinds() -> tuple[BlockKind, ...]:
     return (
         BlockKind(
@@ -169,7 +171,7 @@ def _known(versions: dict[str, str]) -> str:
 def _processor_problem(proc: Any, where: str) -> tuple[type | None, str | None]:
     """ditops' processor class for diffusers' ``proc`` (by its module and class), or why
     there is none: an unknown class, an unknown ``__call__``, or unknown q/k/v projections."""
-    ours = _PROCESSORS.get((type(proc).__module__, type(proc).__name__))
+    ours = PROCESSORS.get((type(proc).__module__, type(proc).__name__))
     if ours is None:
         return None, (
             f"{where}.processor is a {type(proc).__name__}, not WanAttnProcessor "
@@ -271,354 +273,6 @@ def _prologue_problems(attn: nn.Module, where: str) -> list[str]:
     return problems
 
 
-class _ModulationOps:
-    """One set of fused-op instances per patched model, carrying its precision (a plain
-    object: it deep-copies and pickles with the model)."""
-
-    def __init__(self, precision: str | None) -> None:
-        from ditops.layers import modulation
-
-        self.ln_mod = modulation.LayerNormScaleShiftOp()
-        self.fused = modulation.ScaleResidualLayerNormScaleShiftOp()
-        self.gated = modulation.GatedResidualOp()
-        for op in (self.ln_mod, self.fused, self.gated):
-            op.precision = precision
-
-
-def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    # The same arithmetic as diffusers (an fp32 sum), so exact mode stays bitwise.
-    if temb.ndim == 4:  # [B, L, 6, C]: one modulation per token (Wan2.2 TI2V)
-        chunks = (block.scale_shift_table.unsqueeze(0) + temb.float()).chunk(6, dim=2)
-        return tuple(c.squeeze(2) for c in chunks)
-    return (block.scale_shift_table + temb.float()).chunk(6, dim=1)
-
-
-def _fused_chain(
-    block: nn.Module,
-    ops: _ModulationOps,
-    h: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    modulations: tuple[torch.Tensor, ...],
-    rotary_emb: Any,
-    attention_mask: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """Wan's norm / modulation / residual chain around attn1, attn2 and ffn, fused."""
-    norm2 = block.norm2
-    shift, scale, gate, c_shift, c_scale, c_gate = modulations
-    n = ops.ln_mod(h, None, None, scale, shift, block.norm1.eps)
-    attn = block.attn1(n, None, attention_mask, rotary_emb)
-    if isinstance(norm2, nn.LayerNorm):
-        n, h = ops.fused(h, attn, gate, norm2.weight, norm2.bias, None, None, norm2.eps)
-    else:  # cross_attn_norm=False: norm2 is Identity, so n is the new residual itself
-        h = ops.gated(h, attn, gate)
-        n = h
-    attn = block.attn2(n, encoder_hidden_states, None, None)
-    n, h = ops.fused(h, attn, 1, None, None, c_scale, c_shift, block.norm3.eps)
-    ff = block.ffn(n)
-    return ops.gated(h, ff, c_gate)
-
-
-def fused_block_forward(
-    block: nn.Module,
-    ops: _ModulationOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    rotary_emb: torch.Tensor,
-) -> torch.Tensor:
-    """``WanTransformerBlock.forward`` on the fused ops (see the module docstring).
-
-    Installed through :func:`~ditops.integrations.base.install_guarded`: it runs only
-    while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
-    """
-    mods = _modulations(block, temb)
-    return _fused_chain(block, ops, hidden_states, encoder_hidden_states, mods, rotary_emb)
-
-
-def fused_vace_block_forward(
-    block: nn.Module,
-    ops: _ModulationOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    control_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    rotary_emb: torch.Tensor,
-) -> tuple[torch.Tensor | None, torch.Tensor]:
-    """``WanVACETransformerBlock.forward``: the input projection (block 0: the control
-    states plus the video's), Wan's chain on the fused ops over the control states, the
-    output projection (the hint). Returns ``(hint, control states)``, as diffusers."""
-    control = control_hidden_states
-    if block.proj_in is not None:
-        control = block.proj_in(control)
-        control = control + hidden_states
-    mods = (block.scale_shift_table.to(temb.device) + temb.float()).chunk(6, dim=1)
-    control = _fused_chain(block, ops, control, encoder_hidden_states, mods, rotary_emb)
-    hint = block.proj_out(control) if block.proj_out is not None else None
-    return hint, control
-
-
-def fused_skyreels_block_forward(
-    block: nn.Module,
-    ops: _ModulationOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    rotary_emb: torch.Tensor,
-    attention_mask: torch.Tensor,
-) -> torch.Tensor:
-    """``SkyReelsV2TransformerBlock.forward``: Wan's chain, with diffusion forcing's
-    per-frame modulation (``temb`` ``[B, 6, L, C]``: one per token, the same fp32 sum) and
-    the attention mask (causal frame blocks) handed to self-attention."""
-    if temb.dim() == 3:
-        mods = (block.scale_shift_table + temb.float()).chunk(6, dim=1)
-    elif temb.dim() == 4:
-        e = (block.scale_shift_table.unsqueeze(2) + temb.float()).chunk(6, dim=1)
-        mods = tuple(ei.squeeze(1) for ei in e)
-    else:
-        raise ValueError(f"SkyReelsV2TransformerBlock: temb must be 3-D or 4-D, got {temb.dim()}-D")
-    return _fused_chain(
-        block, ops, hidden_states, encoder_hidden_states, mods, rotary_emb, attention_mask
-    )
-
-
-def _apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    # WanAttnProcessor's rotary embedding (interleaved pairs), the same operations.
-    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
-    c = cos[..., 0::2]
-    s = sin[..., 1::2]
-    out = torch.empty_like(x)
-    out[..., 0::2] = x1 * c - x2 * s
-    out[..., 1::2] = x1 * s + x2 * c
-    return out.type_as(x)
-
-
-#: The q/k norms the fused prologue computes without calling them.
-PROLOGUE_BYPASS = Bypass((("norm_q", nn.RMSNorm), ("norm_k", nn.RMSNorm)))
-
-
-class WanSelfAttnProcessor(WrappingProcessor):
-    """Wan self-attention (``attn1``) with ditops' prologue and optional block sparsity.
-
-    ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
-    q and k across heads and the rotary embedding run as one op, on dense and sparse
-    steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
-    :class:`~ditops.layers.attention.BlockSparseAttention`): block-sparse attention on the
-    sparse denoising steps. Without a prologue, dense steps run the wrapped
-    ``WanAttnProcessor`` itself; any call this processor was not written for
-    (cross-attention, I2V's image keys, no rotary embedding) always does. A call with an
-    attention mask (SkyReels-V2's causal frame blocks) runs dense, with the mask, as
-    diffusers calls it (the prologue fused): block-sparse attention takes no mask, so on
-    a sparse step such a call runs dense and ditops warns once.
-
-    One subclass per diffusers processor class it wraps (:attr:`wraps`: Wan's and the
-    copies in ChronoEdit, SkyReels-V2 and Wan-Animate), so that ``type(p)()`` builds one
-    wrapping the model's own processor class.
-
-    Under diffusers' context parallelism (:mod:`ditops.integrations.parallel`): the
-    config lives on the wrapped processor (``_parallel_config`` and ``_attention_backend``
-    read and write through), so ``enable_parallelism`` after the patch reaches it, a patch
-    after ``enable_parallelism`` (or ``from_pretrained(parallel_config=...)``) finds the
-    config there, and ``unpatch`` leaves it in place. Dense attention is diffusers'
-    ``dispatch_attention_fn`` with that config (its own exchange), as in the unpatched
-    model. Sparse steps exchange q/k/v so that each rank estimates and attends over the
-    whole sequence for its heads; with sparsity and ``ring_degree > 1`` ditops exchanges
-    at every step and dense steps run diffusers' attention backend on the exchanged heads.
-    """
-
-    #: The diffusers processor this class wraps: (module, class name).
-    wraps = ("diffusers.models.transformers.transformer_wan", "WanAttnProcessor")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        steps: StepState | None = None,
-        sparse: nn.Module | None = None,
-        prologue: Any | None = None,
-    ) -> None:
-        if sparse is not None and steps is None:
-            raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            module, name = self.wraps
-            original = getattr(importlib.import_module(module), name)()
-        super().__init__(original)
-        self._qkv = self.qkv_projections()  # resolved once: not traced under compile
-        self.steps = steps
-        self.sparse = sparse
-        self.prologue = prologue
-
-    def _dense_now(self) -> bool:
-        if self.sparse is None or self.steps is None:
-            return True
-        cfg = self.sparse.config
-        step = self.steps.current()
-        if step is None and cfg.skip_first_steps > 0:
-            return True  # step unknown: never sparse by accident
-        return bool(cfg.dense_at(step))
-
-    def __call__(
-        self,
-        attn: nn.Module,
-        hidden_states: torch.Tensor,
-        encoder_hidden_states: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    ) -> torch.Tensor:
-        cp = context_parallel_of(self._parallel_config)
-        dense = self._dense_now()
-        # ditops' exchange runs dense steps too when sparse steps run under Ring.
-        ours = not dense or (self.sparse is not None and cp is not None and cp.ring_degree > 1)
-        prologue = (
-            self.prologue is not None
-            and rotary_emb is not None
-            and PROLOGUE_BYPASS.problem(attn) is None  # hooked or replaced norms: called
-        )
-        if attention_mask is not None and encoder_hidden_states is None:
-            if not dense:
-                _warn_once(
-                    "ditops: a self-attention call with an attention mask (SkyReels-V2's "
-                    "causal frame blocks) runs dense attention with the mask on sparse steps "
-                    "too: block-sparse attention takes no mask"
-                )
-            ours = False  # diffusers' attention, with the mask, as the model calls it
-        if (
-            encoder_hidden_states is not None
-            or getattr(attn, "add_k_proj", None) is not None
-            or (not ours and not prologue)
-        ):
-            return self.original(
-                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
-            )
-        query, key, value = self._qkv(attn, hidden_states, None)
-        query, key = self._norm_rope(attn, query, key, rotary_emb, prologue)
-        value = value.unflatten(2, (attn.heads, -1))
-        if not ours:  # dense, as WanAttnProcessor calls it (diffusers' exchange, if any)
-            from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-            out = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
-        else:
-            attend = self._dense if dense else self._sparse
-            if cp is None:
-                out = attend(query, key, value)
-            else:
-                out = attend_across_ranks(cp, query, key, value, attend)
-        out = out.flatten(2, 3).type_as(query)
-        out = attn.to_out[0](out)
-        return attn.to_out[1](out)
-
-    @classmethod
-    def qkv_projections(cls) -> Any:
-        """``_get_qkv_projections`` of the module of the processor wrapped (its fingerprint
-        is checked when patching)."""
-        return importlib.import_module(cls.wraps[0])._get_qkv_projections
-
-    def _norm_rope(
-        self,
-        attn: nn.Module,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
-        prologue: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``norm_q``/``norm_k`` (across heads), split into heads, rotary embedding: the
-        fused op when ``prologue``, else the norms called as modules (their hooks run)."""
-        heads = attn.heads
-        if prologue:
-            assert self.prologue is not None and rotary_emb is not None
-            cos, sin = rotary_emb
-            return self.prologue(
-                query.unflatten(2, (heads, -1)),
-                key.unflatten(2, (heads, -1)),
-                attn.norm_q.weight,
-                attn.norm_k.weight,
-                cos[..., 0::2],  # the entries WanAttnProcessor reads
-                sin[..., 1::2],
-                attn.norm_q.eps,
-                across_heads=True,
-            )
-        query = attn.norm_q(query).unflatten(2, (heads, -1))
-        key = attn.norm_k(key).unflatten(2, (heads, -1))
-        if rotary_emb is not None:
-            query = _apply_rotary(query, *rotary_emb)
-            key = _apply_rotary(key, *rotary_emb)
-        return query, key
-
-    def _sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Estimate + block-sparse attention over the whole sequence ([B, S, N, D])."""
-        assert self.sparse is not None and self.steps is not None
-        from ditops.attention.schedule import first_frame_dense_blocks
-
-        shape = self.steps.latent_shape  # the whole video: recorded before any split
-        dense = None  # passed per call, not set on the layer: threads share it
-        if shape is not None:
-            dense = first_frame_dense_blocks(
-                shape, self.steps.patch_size, self.sparse.config.block_size
-            )
-        return self.sparse(
-            q,
-            k,
-            v,
-            layout="BSND",
-            step=self.steps.current(),
-            branch=self.steps.branch,
-            dense_blocks=dense,
-        )
-
-    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Dense attention as WanAttnProcessor runs it on one device (its backend)."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-        return dispatch_attention_fn(
-            q, k, v, dropout_p=0.0, is_causal=False, backend=self._attention_backend
-        )
-
-
-class ChronoEditSelfAttnProcessor(WanSelfAttnProcessor):
-    """:class:`WanSelfAttnProcessor` over ChronoEdit's copy of ``WanAttnProcessor``."""
-
-    wraps = ("diffusers.models.transformers.transformer_chronoedit", "WanAttnProcessor")
-
-
-class SkyReelsV2SelfAttnProcessor(WanSelfAttnProcessor):
-    """:class:`WanSelfAttnProcessor` over ``SkyReelsV2AttnProcessor``."""
-
-    wraps = ("diffusers.models.transformers.transformer_skyreels_v2", "SkyReelsV2AttnProcessor")
-
-
-class WanAnimateSelfAttnProcessor(WanSelfAttnProcessor):
-    """:class:`WanSelfAttnProcessor` over Wan-Animate's copy of ``WanAttnProcessor``."""
-
-    wraps = ("diffusers.models.transformers.transformer_wan_animate", "WanAttnProcessor")
-
-
-#: diffusers' processor (module, class name) -> ditops' processor wrapping it.
-_PROCESSORS: dict[tuple[str, str], type[WanSelfAttnProcessor]] = {
-    cls.wraps: cls
-    for cls in (
-        WanSelfAttnProcessor,
-        ChronoEditSelfAttnProcessor,
-        SkyReelsV2SelfAttnProcessor,
-        WanAnimateSelfAttnProcessor,
-    )
-}
-
-_WARNED: set[str] = set()
-
-
-def _warn_once(message: str) -> None:
-    if message not in _WARNED:
-        _WARNED.add(message)
-        logger.warning(message)
-
-
 class WanFamily:
     """diffusers' ``WanTransformer3DModel`` and the models built of its blocks (VACE,
     SkyReels-V2, ChronoEdit, Wan-Animate): fused blocks, optional sparse self-attention."""
@@ -645,7 +299,7 @@ class WanFamily:
         """Patch a checked Wan model in place, recording every change on ``record``."""
         if options.norms:
             swap_norms(model, record, options.precision)
-            ops = _ModulationOps(options.precision)
+            ops = ModulationOps(options.precision)
             for where, block, kind in plan.blocks:
                 if where in plan.unfused:
                     record.count(f"unfused {kind.kind}")
