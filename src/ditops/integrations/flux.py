@@ -26,7 +26,7 @@ gated residual followed by a modulated norm on the fused
 :func:`~ditops.layers.adaln.adaln_residual`; the fp16 clip where FLUX has it. Attention
 runs :class:`FusedFluxAttnProcessor`, which is ``FluxAttnProcessor`` with the prologue
 (RMSNorm of q and k per head, then the rotary embedding) on the fused
-:func:`~ditops.layers.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
+:func:`~ditops.ops.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
 for the double-stream blocks one for the text tokens (``norm_added_q``/``norm_added_k``,
 the first rows of the tables) and one for the image tokens, concatenated as FLUX does.
 In exact precision the patched model is bitwise the unpatched one.
@@ -122,7 +122,8 @@ class _FluxOps:
     it deep-copies and pickles with the model)."""
 
     def __init__(self, precision: str | None) -> None:
-        from ditops.layers import adaln, qk_norm_rope
+        from ditops.layers import adaln
+        from ditops.ops import qk_norm_rope
 
         self.modulate = adaln.AdaLNModulateOp()
         self.residual = adaln.AdaLNResidualOp()
