@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from ditops.core.checks import HALF
+#: The low-precision dtypes the kernels round to (the ops take fp32, bf16 and fp16).
+LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def normed_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None, convention: str) -> torch.dtype:
@@ -26,7 +27,7 @@ def normed_dtype(x_dtype: torch.dtype, w_dtype: torch.dtype | None, convention: 
     """
     if convention == "torch" or w_dtype is None:
         return x_dtype
-    if w_dtype in HALF:
+    if w_dtype in LOW_PRECISION:
         return w_dtype
     return torch.promote_types(torch.float32, w_dtype)
 

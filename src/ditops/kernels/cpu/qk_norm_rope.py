@@ -48,9 +48,13 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from ditops.core.checks import HALF
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.qk_norm_rope_tables import PairTables, normed_dtype, pair_tables
+from ditops.kernels.qk_norm_rope_tables import (
+    LOW_PRECISION,
+    PairTables,
+    normed_dtype,
+    pair_tables,
+)
 
 #: fp32 bytes of the block (q and k rows together) per intra-op thread, chosen with
 #: benchmarks/cpu/probes/qk_block_size.py (the share of a clone's bandwidth per block
@@ -93,7 +97,7 @@ def _norm_of(
     if w0 is not None:
         shape = (1, H, D) if across else (1, 1, D)
         w32 = torch.stack([w.to(_F32).reshape(shape) for w in weights if w is not None])
-    lp = w0 is not None and convention == "diffusers" and w0.dtype in HALF
+    lp = w0 is not None and convention == "diffusers" and w0.dtype in LOW_PRECISION
     out = normed_dtype(x.dtype, None if w0 is None else w0.dtype, convention)
     return _Norm(w32, lp, eps, across, out)
 
@@ -304,7 +308,7 @@ def _run(
         # The meaning rotates in promote(normalised dtype, table dtype).
         compute = torch.promote_types(dtype, tabs.c1.dtype)
         if not round_normed:
-            if compute in HALF:
+            if compute in LOW_PRECISION:
                 # Eager rounds every step of the rotation to bf16/fp16 here, which one
                 # rounding of fp32 arithmetic cannot follow within tolerance: eager's steps.
                 return _run(xs, norm, tabs, layout, True, True)
@@ -313,7 +317,7 @@ def _run(
         # ATen's vector loop rounds it as the real arithmetic, but its scalar remainder
         # (row ends, thread-chunk ends) may fuse a multiply-add, so exact mode keeps to
         # real multiplications.
-        if compute in HALF:
+        if compute in LOW_PRECISION:
             form = "lp"
         elif not exact and layout == "interleaved" and tabs.paired:
             form = "complex"

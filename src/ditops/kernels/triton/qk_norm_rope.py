@@ -35,9 +35,13 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from ditops.core import checks
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.qk_norm_rope_tables import PairTables, normed_dtype, pair_tables
+from ditops.kernels.qk_norm_rope_tables import (
+    LOW_PRECISION,
+    PairTables,
+    normed_dtype,
+    pair_tables,
+)
 from ditops.kernels.triton.layer_norm import round_rne, row_view, split_rows
 
 #: Target elements of one tile (both members of the pairs): narrow rows share a program.
@@ -254,7 +258,7 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, convention: str) -> T
     n_rows = x.numel() // n
     block_n = triton.next_power_of_2(n)
     block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
-    lp = weight is not None and convention == "diffusers" and weight.dtype in checks.HALF
+    lp = weight is not None and convention == "diffusers" and weight.dtype in LOW_PRECISION
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
         rows, weight if weight is not None else rows, out, n_rows, length, n, eps, 1.0 / n,
         x_sb, x_sl, BLOCK_R=block_r, BLOCK_N=block_n, HAS_W=weight is not None,
