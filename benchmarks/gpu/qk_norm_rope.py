@@ -33,7 +33,7 @@ from tests.precision import pair_magnitude, ulp_distance
 import ditops
 from ditops import config
 from ditops.kernels.triton import qk_norm_rope as T
-from ditops.layers.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
+from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 
 OUT = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
 dev = "cpu" if CPU else "cuda"
@@ -97,7 +97,9 @@ with torch.inference_mode(), config.override(strict=True):
                     key = f"{str(dt)[6:]}-{convention}-{'across' if across else 'head'}-{layout}"
                     chosen = qk_norm_rope.explain_call(*args, **kw).chosen
                     got = qk_norm_rope(*args, **kw)
-                    want = qk_norm_rope.forward_native(*args, across, layout, convention)
+                    want = qk_norm_rope.forward_native(
+                        *args, across_heads=across, layout=layout, convention=convention
+                    )
                     with config.override(precision="exact"):
                         ex = qk_norm_rope(*args, **kw)
                     x = rnd(B, L, H, D, dt=dt)
@@ -132,7 +134,7 @@ def bench(fn):
 
 
 def meaning(q, k, wq, wk, cos, sin, across):
-    return qk_norm_rope.forward_native(q, k, wq, wk, cos, sin, EPS, across, "interleaved", "torch")
+    return qk_norm_rope.forward_native(q, k, wq, wk, cos, sin, EPS, across_heads=across)
 
 
 compiled = torch.compile(meaning, dynamic=False)

@@ -24,7 +24,8 @@ from ditops.layers.modulation import (
     scale_residual_layer_norm_scale_shift,
 )
 from ditops.layers.norm import FP32LayerNorm
-from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
+from ditops.layers.rms_norm import RMSNorm
+from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
 __all__ = [

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 import torch
 
-from ditops.kernels import qk_norm_rope_shapes as shapes
+from ditops.kernels import qk_norm_rope_tables as rope_tables
 from ditops.kernels.cpu import qk_norm_rope as K
-from ditops.layers.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
+from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 from tests.precision import assert_exact, assert_fast, assert_fast_pairs
 
 B, L, H, D = 2, 10, 3, 8
@@ -73,7 +73,9 @@ def test_exact_fused_is_the_meaning(
         wq, wk = (torch.randn(n) * 0.5 + 1).to(w_dtype), (torch.randn(n) * 0.5 + 1).to(w_dtype)
         cos, sin = _tables(tables, t_dtype)
         args = (q, k, wq, wk, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(*args, across, layout, convention)
+        want = qk_norm_rope.forward_native(
+            *args, across_heads=across, layout=layout, convention=convention
+        )
         qk_norm_rope.precision = "exact"
         try:
             with torch.inference_mode():
@@ -97,7 +99,9 @@ def test_fast_fused_within_tolerance(
     for tables in ("pair", "shared_full"):  # the tolerance is stated for rotations
         cos, sin = _tables(tables, FP32)
         args = (q, k, wq, wk, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(*args, across, layout, convention)
+        want = qk_norm_rope.forward_native(
+            *args, across_heads=across, layout=layout, convention=convention
+        )
         with torch.inference_mode():
             got = qk_norm_rope(*args, across_heads=across, layout=layout, convention=convention)
         for g, w in zip(got, want):
@@ -112,7 +116,9 @@ def test_fast_fused_without_weights_or_in_fp32(small_blocks: None, weights: str)
     w = {"none": None, "same": torch.rand(D).bfloat16(), "fp32": torch.rand(D)}[weights]
     for convention in ("torch", "diffusers"):
         args = (q, k, w, w, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(*args, False, "interleaved", convention)
+        want = qk_norm_rope.forward_native(
+            *args, across_heads=False, layout="interleaved", convention=convention
+        )
         with torch.inference_mode():
             got = qk_norm_rope(*args, convention=convention)
         if got[0].dtype == FP32:
@@ -178,11 +184,11 @@ def test_empty_inputs() -> None:
 
 def test_pair_tables() -> None:
     c = torch.arange(8.0).repeat_interleave(2).view(1, 1, 16)
-    t = shapes.pair_tables(c, c, 16, "interleaved")
+    t = rope_tables.pair_tables(c, c, 16, "interleaved")
     assert t.paired and torch.equal(t.c1, torch.arange(8.0).view(1, 1, 8))
     halves = torch.cat([torch.arange(8.0)] * 2).view(1, 1, 16)
-    assert shapes.pair_tables(halves, halves, 16, "halves").paired
-    assert not shapes.pair_tables(halves, halves, 16, "interleaved").paired
+    assert rope_tables.pair_tables(halves, halves, 16, "halves").paired
+    assert not rope_tables.pair_tables(halves, halves, 16, "interleaved").paired
     signed = c.clone()
     signed[..., 1] = -0.0  # 0.0 and -0.0 are equal numbers but not the same bits
-    assert not shapes.pair_tables(signed, c, 16, "interleaved").paired
+    assert not rope_tables.pair_tables(signed, c, 16, "interleaved").paired

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from ditops.kernels.triton import qk_norm_rope as T
-from ditops.layers.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
+from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 from tests.precision import assert_exact, assert_fast, assert_fast_pairs, pair_magnitude
 
 B, L, H, D = 2, 5, 3, 8
@@ -55,7 +55,9 @@ def test_fused_within_tolerance(
     wq, wk = (torch.randn(n) * 0.5 + 1).to(dtype), (torch.randn(n) * 0.5 + 1).to(dtype)
     cos, sin = _tables("pair")
     args = (q, k, wq, wk, cos.unsqueeze(2), sin.unsqueeze(2), EPS)
-    want = qk_norm_rope.forward_native(*args, across, layout, convention)
+    want = qk_norm_rope.forward_native(
+        *args, across_heads=across, layout=layout, convention=convention
+    )
     got = T.qk_norm_rope(q, k, wq, wk, cos, sin, EPS, across, layout, convention)
     for g, w in zip(got, want):
         if dtype == FP32:
@@ -71,7 +73,7 @@ def test_fused_without_weights_and_nan() -> None:
     q[1, 2, 1, 3] = float("nan")
     cos, sin = _tables("shared_full")
     want = qk_norm_rope.forward_native(q, k, None, None, cos.unsqueeze(2), sin.unsqueeze(2),
-                                       EPS, False, "interleaved", "torch")  # fmt: skip
+                                       EPS, across_heads=False)  # fmt: skip
     got = T.qk_norm_rope(q, k, None, None, cos, sin, EPS, False, "interleaved", "torch")
     assert got[0][1, 2, 1].isnan().all() and not got[0][1, 2, 0].isnan().any()
     assert_fast_pairs(got[0], want[0], "interleaved", slack=10)

@@ -21,8 +21,9 @@ from torch import nn
 import ditops
 from ditops import config
 from ditops.custom_op import BackendUnavailableError, reset_state
-from ditops.layers import qk_norm_rope as qkmod
-from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
+from ditops.layers.rms_norm import RMSNorm
+from ditops.ops import qk_norm_rope_args as qkmod
+from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 from tests.doubles.npu_modules import fake_torch_npu_prologue
 from tests.precision import assert_exact, assert_fast, assert_fast_pairs, pair_magnitude
 
@@ -275,7 +276,9 @@ def test_fast_contract_rates(convention: str, across: bool, dtype: torch.dtype) 
     ang = torch.rand(L, D // 2, generator=g) * 6.3
     args = (q, k, wq, wk, ang.cos(), ang.sin(), EPS)
     kw = {"across_heads": across, "convention": convention}
-    want = qk_norm_rope.forward_native(*args, across, "interleaved", convention)
+    want = qk_norm_rope.forward_native(
+        *args, across_heads=across, layout="interleaved", convention=convention
+    )
     got = _fast(qk_norm_rope, *args, **kw)
     # diffusers with a bf16/fp16 weight rounds twice more in eager: 2 ulps, rarely
     for g_, w_ in zip(got, want):
@@ -305,7 +308,9 @@ def test_nan_and_inf_propagate(precision: str, across: bool) -> None:
     cos[5, 1] = float("nan")
     w = torch.rand(n).to(BF16)
     args = (q, k, w, w, cos, sin, EPS)
-    want = qk_norm_rope.forward_native(*args, across, "interleaved", "torch")
+    want = qk_norm_rope.forward_native(
+        *args, across_heads=across, layout="interleaved", convention="torch"
+    )
     run = _exact if precision == "exact" else _fast
     got = run(qk_norm_rope, *args, across_heads=across)
     for g_, w_ in zip(got, want):
@@ -449,7 +454,7 @@ def test_module_precision_is_per_module() -> None:
     exact = RMSNorm(96, eps=EPS, precision="exact")
     with torch.no_grad():
         exact.weight.copy_(torch.rand(96) + 0.5)
-    want = exact.op.forward_native(x, exact.weight, EPS, "torch")
+    want = exact.forward_native(x)
     with torch.inference_mode(), config.override(precision="fast"):
         assert_exact(exact(x), want)
     assert "convention='torch'" in repr(exact)
@@ -518,7 +523,9 @@ def test_triton_path_through_the_dispatcher(on_cuda: None, across: bool, convent
         "forward_cuda"
     )
     got = qk_norm_rope(*args, across_heads=across, convention=convention)
-    want = qk_norm_rope.forward_native(*args, across, "interleaved", convention)
+    want = qk_norm_rope.forward_native(
+        *args, across_heads=across, layout="interleaved", convention=convention
+    )
     for g_, w_ in zip(got, want):
         assert_fast_pairs(g_, w_, "interleaved", max_ulp=2, slack=5)
 
@@ -621,7 +628,9 @@ def test_npu_qk_norm_rope_against_the_meaning(
         assert qk_norm_rope.explain_call(*args, **kw).chosen == "forward_npu"
         got = qk_norm_rope(*args, **kw)
     assert calls == ["npu_rms_norm", "npu_rotary_mul"] * 2
-    want = qk_norm_rope.forward_native(*args, across, layout, convention)
+    want = qk_norm_rope.forward_native(
+        *args, across_heads=across, layout=layout, convention=convention
+    )
     for g_, w_ in zip(got, want):
         assert_fast_pairs(g_, w_, layout, max_ulp=2, slack=5)
 
@@ -677,7 +686,12 @@ def test_npu_qk_norm_rope_declines_low_precision_rotation(npu_fast: None) -> Non
         got = qk_norm_rope(*args)
     assert d.chosen == "forward_native" and calls == []
     assert "computed in bfloat16" in " ".join(d.candidates[0].reasons)
-    for g_, w_ in zip(got, qk_norm_rope.forward_native(*args, False, "interleaved", "torch")):
+    for g_, w_ in zip(
+        got,
+        qk_norm_rope.forward_native(
+            *args, across_heads=False, layout="interleaved", convention="torch"
+        ),
+    ):
         assert_exact(g_, w_)
 
 
@@ -714,7 +728,12 @@ def _without_torch_npu_or_its_functions(args: tuple[Any, ...]) -> None:
             assert "has no torch_npu.npu_rotary_mul" in " ".join(d.candidates[0].reasons)
         got = qk_norm_rope(*args)
     assert calls == []
-    for g_, w_ in zip(got, qk_norm_rope.forward_native(*args, False, "interleaved", "torch")):
+    for g_, w_ in zip(
+        got,
+        qk_norm_rope.forward_native(
+            *args, across_heads=False, layout="interleaved", convention="torch"
+        ),
+    ):
         assert_exact(g_, w_)
 
 
@@ -754,7 +773,12 @@ def test_npu_nan_and_inf_propagate(npu_fast: None, across: bool) -> None:
     with fake_torch_npu_prologue() as calls:
         got = qk_norm_rope(*args, across_heads=across)
     assert calls  # the NPU path ran
-    for g_, w_ in zip(got, qk_norm_rope.forward_native(*args, across, "interleaved", "torch")):
+    for g_, w_ in zip(
+        got,
+        qk_norm_rope.forward_native(
+            *args, across_heads=across, layout="interleaved", convention="torch"
+        ),
+    ):
         assert w_.isnan().any()
         assert_fast_pairs(g_, w_, "interleaved", slack=5)
     cos[5, 1] = float("nan")  # a NaN table entry is outside [-1, 1]: the meaning runs

@@ -16,7 +16,7 @@ import torch
 
 from ditops import config
 from ditops.kernels.cpu import qk_norm_rope as K
-from ditops.layers.qk_norm_rope import qk_norm_rope
+from ditops.ops.qk_norm_rope import qk_norm_rope
 
 threads = int(sys.argv[1]) if len(sys.argv) > 1 else 2
 torch.set_num_threads(threads)

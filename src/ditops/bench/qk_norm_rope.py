@@ -39,7 +39,7 @@ import torch
 from ditops import config
 from ditops.bench.harness import Case, Result, variants_by_case
 from ditops.bench.suite import Suite
-from ditops.layers.qk_norm_rope import qk_norm_rope
+from ditops.ops.qk_norm_rope import qk_norm_rope
 
 HEAD_DIM = 128
 EPS = 1e-6

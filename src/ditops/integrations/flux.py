@@ -27,7 +27,7 @@ gated residual followed by a modulated norm on the fused
 runs :class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
 ``FluxAttnProcessor`` with the prologue (RMSNorm of q and k per head, then the rotary
 embedding) on the fused
-:func:`~ditops.layers.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
+:func:`~ditops.ops.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
 for the double-stream blocks one for the text tokens (``norm_added_q``/``norm_added_k``,
 the first rows of the tables) and one for the image tokens, concatenated as FLUX does.
 In exact precision the patched model is bitwise the unpatched one.

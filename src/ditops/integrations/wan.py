@@ -329,7 +329,7 @@ class WanFamily:
                 sparse = BlockSparseAttention(options.attention)
                 record.count("sparse self-attentions")
             if options.norms:
-                from ditops.layers.qk_norm_rope import QKNormRopeOp
+                from ditops.ops.qk_norm_rope import QKNormRopeOp
 
                 prologue = QKNormRopeOp()
                 prologue.precision = options.precision

@@ -1,9 +1,9 @@
 """RMSNorm and rotary embedding of queries and keys on CPU, block by block.
 
-Inputs are validated and normalised by :mod:`ditops.kernels.qk_norm_rope_shapes`:
+Inputs are validated and normalised by :mod:`ditops.ops.qk_norm_rope_args`:
 ``q``/``k`` ``[B, L, H, D]`` (any strides), norm weights None or ``[N]`` (N = D per head,
 H * D across heads) of any float dtype, cos/sin as :class:`PairTables` of ``[Bt, L, D/2]``
-views. The arithmetic each mode reproduces is stated in :mod:`ditops.layers.qk_norm_rope`.
+views. The arithmetic each mode reproduces is stated in :mod:`ditops.ops.qk_norm_rope`.
 
 Memory model (bf16 q and k ``[1, 8192, 12, 128]``, Wan 1.3B). Eager runs about ten
 full-size passes over each of q and k, most of them in fp32 with a fresh allocation each
@@ -49,7 +49,12 @@ import torch
 from torch import Tensor
 
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.qk_norm_rope_shapes import LOW_PRECISION, PairTables, normed_dtype, pair_tables
+from ditops.kernels.qk_norm_rope_tables import (
+    LOW_PRECISION,
+    PairTables,
+    normed_dtype,
+    pair_tables,
+)
 
 #: fp32 bytes of the block (q and k rows together) per intra-op thread, chosen with
 #: benchmarks/cpu/probes/qk_block_size.py (the share of a clone's bandwidth per block

@@ -38,8 +38,8 @@ What the two torch_npu functions are documented to do, and how the ops use them
     ``jit_compile=True``: ``'half'`` only, ``D == 128``; there a call outside that raises
     inside torch_npu, and the dispatcher gives the path up with one warning.)
 
-Calls outside these contracts run the meaning, each with its reason
-(:func:`norm_reasons`, :func:`rotary_reasons`): a rotation the meaning computes in bf16/fp16
+Calls outside these contracts run the meaning, each with its reason (the NPU paths'
+reasons in :mod:`ditops.ops.qk_norm_rope`): a rotation the meaning computes in bf16/fp16
 (Wan cast to bf16 with ``.to(bf16)`` keeps bf16 tables; eager rounds every product),
 head dims of 896 or more, too many batches/heads, per-batch tables in interleaved
 layout, tables outside ``[-1, 1]`` (checked per call outside ``torch.compile``: one
@@ -62,71 +62,7 @@ from typing import Any
 
 import torch
 
-#: ``npu_rotary_mul``: head dims below this (and even).
-MAX_HEAD_DIM = 896
-#: ``'half'``: batch and heads each below this; ``'interleave'``: their product.
-MAX_BATCH_HEADS = 1000
-
 Fn = Callable[..., Any]
-
-
-def _name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
-# --- what the kernels can take -------------------------------------------------------------
-
-
-def norm_reasons(x: torch.Tensor) -> list[str]:
-    """Why ``npu_rms_norm`` cannot take these activations."""
-    if x.numel() == 0:
-        return ["an empty input: torch_npu.npu_rms_norm takes no empty weight"]
-    return []
-
-
-def rotary_reasons(
-    x: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, layout: str, compute: torch.dtype
-) -> list[str]:
-    """Why ``npu_rotary_mul`` cannot rotate ``x`` [B, L, H, D] (normalised, for the fused
-    op) with ``[Bt, L, Dt]`` tables as the meaning does (in ``compute``)."""
-    B, _, H, D = x.shape
-    mode = "half" if layout == "halves" else "interleave"
-    reasons = []
-    if compute != torch.float32:
-        reasons.append(
-            f"the rotation is computed in {_name(compute)} (tables in the activations' "
-            "low-precision dtype, rounding every product); torch_npu.npu_rotary_mul does not "
-            "document its internal precision and is called in fp32 only"
-        )
-    if D >= MAX_HEAD_DIM:
-        reasons.append(f"head dim {D}: torch_npu.npu_rotary_mul takes D < {MAX_HEAD_DIM}")
-    if mode == "half" and (B >= MAX_BATCH_HEADS or H >= MAX_BATCH_HEADS):
-        reasons.append(
-            f"batch {B}, heads {H}: torch_npu.npu_rotary_mul ('half') takes each "
-            f"< {MAX_BATCH_HEADS}"
-        )
-    if mode == "interleave":
-        if B * H >= MAX_BATCH_HEADS:
-            reasons.append(
-                f"batch x heads = {B * H}: torch_npu.npu_rotary_mul ('interleave') takes "
-                f"< {MAX_BATCH_HEADS}"
-            )
-        if cos3.shape[0] != 1:
-            reasons.append(
-                "per-batch tables: torch_npu.npu_rotary_mul ('interleave') takes [1, L, 1, D] "
-                "tables only"
-            )
-    if x.numel() == 0:
-        reasons.append("an empty input: torch_npu.npu_rotary_mul takes positive dims only")
-    if not reasons and not torch.compiler.is_compiling() and not _unit_range(cos3, sin3):
-        reasons.append(
-            "cos/sin outside [-1, 1]: torch_npu.npu_rotary_mul documents tables within it"
-        )
-    return reasons
-
-
-def _unit_range(cos3: torch.Tensor, sin3: torch.Tensor) -> bool:
-    return bool(((cos3.abs() <= 1).all() & (sin3.abs() <= 1).all()).item())
 
 
 # --- the calls -------------------------------------------------------------------------------

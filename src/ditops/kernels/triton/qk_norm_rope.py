@@ -1,7 +1,7 @@
 """Triton kernels for the attention prologue on GPUs: RMSNorm, rotary embedding, both fused.
 
-Inputs come validated by :mod:`ditops.layers.qk_norm_rope` (shapes, dtypes, devices);
-the arithmetic each op means is stated there.
+Inputs come validated by :mod:`ditops.ops.qk_norm_rope_args` (shapes, dtypes, devices);
+the arithmetic each op means is stated in :mod:`ditops.ops.qk_norm_rope`.
 
 ``_norm_rope_kernel`` rotates (and optionally first normalises) one ``[B, L, H, D]``
 tensor (one launch for q, one for k). A program holds ``BLOCK_R`` norm rows as a
@@ -36,7 +36,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.qk_norm_rope_shapes import (
+from ditops.kernels.qk_norm_rope_tables import (
     LOW_PRECISION,
     PairTables,
     normed_dtype,
