@@ -70,7 +70,9 @@ def _case(
 
     def native() -> Any:
         with torch.inference_mode():
-            return qk_norm_rope.forward_native(*args, across, "interleaved", "torch")
+            return qk_norm_rope.forward_native(
+                *args, across_heads=across, layout="interleaved", convention="torch"
+            )
 
     def compile_() -> Any:
         with torch.inference_mode():
@@ -105,7 +107,9 @@ def _case(
 
 def _meaning(*args: Any) -> Any:
     *rest, across = args
-    return qk_norm_rope.forward_native(*rest, across, "interleaved", "torch")
+    return qk_norm_rope.forward_native(
+        *rest, across_heads=across, layout="interleaved", convention="torch"
+    )
 
 
 def cases(device: torch.device, size: str) -> Iterator[Case]:
