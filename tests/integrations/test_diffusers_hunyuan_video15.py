@@ -80,7 +80,8 @@ def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.
 
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    from ditops.layers import adaln, qk_norm_rope
+    from ditops.layers import qk_norm_rope
+    from ditops.ops import modulation_model_dtype as adaln
 
     yield from spy_forward_cpu(
         monkeypatch,

@@ -75,7 +75,8 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
-    from ditops.layers import modulation, qk_norm_rope
+    from ditops.layers import qk_norm_rope
+    from ditops.ops import modulation_fp32 as modulation
     from ditops.ops.layer_norm import FP32LayerNormOp
 
     yield from spy_forward_cpu(

@@ -41,7 +41,8 @@ class FluxOps:
     it deep-copies and pickles with the model)."""
 
     def __init__(self, precision: str | None) -> None:
-        from ditops.layers import adaln, qk_norm_rope
+        from ditops.layers import qk_norm_rope
+        from ditops.ops import modulation_model_dtype as adaln
 
         self.modulate = adaln.AdaLNModulateOp()
         self.residual = adaln.AdaLNResidualOp()
