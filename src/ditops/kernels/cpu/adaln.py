@@ -33,14 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ditops.kernels.cpu.modulation import rows_per_block, walk_rows
+from ditops.kernels.cpu.modulation import rows_per_block
+from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
-
-Rows = dict[str, Tensor | None]
-
-
-def _per_token(m: Tensor | None, L: int) -> bool:
-    return m is not None and m.shape[1] == L and L > 1
 
 
 def _one_plus(scale: Tensor | None, L: int) -> Rows:
@@ -48,7 +43,7 @@ def _one_plus(scale: Tensor | None, L: int) -> Rows:
     scale is left to the blocks (the sum would be a whole extra pass)."""
     if scale is None:
         return {"one_plus": None}
-    if _per_token(scale, L):
+    if per_token(scale, L):
         return {"scale": scale}
     return {"one_plus": 1 + scale}
 
@@ -117,7 +112,7 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
 
 def _exact_only(x: Tensor, *mods: Tensor | None) -> bool:
     """Calls the fast kernel cannot take: fp32 (every reordering shows) or per-token rows."""
-    return x.dtype == torch.float32 or any(_per_token(m, x.shape[1]) for m in mods)
+    return x.dtype == torch.float32 or any(per_token(m, x.shape[1]) for m in mods)
 
 
 # --- the custom ops ---------------------------------------------------------------------------

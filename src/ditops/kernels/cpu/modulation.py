@@ -39,12 +39,11 @@ opaque op instead of unrolling the block loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
 from ditops.kernels.cpu import blocks
+from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
@@ -57,54 +56,6 @@ _BLOCK_BYTES = 4 * 1024 * 1024
 def rows_per_block(C: int) -> int:
     """Rows of ``C`` channels per block: :data:`_BLOCK_BYTES` of fp32."""
     return max(1, _BLOCK_BYTES // max(1, 4 * C))
-
-
-def _groups(*mods: torch.Tensor | None) -> int:
-    """The common row count G of the 3-D modulations (1 when none is per frame/token)."""
-    g = 1
-    for m in mods:
-        if m is not None and m.dim() == 3 and m.shape[1] > 1:
-            g = m.shape[1]
-    return g
-
-
-def _per_token(m: torch.Tensor | None, L: int) -> bool:
-    return m is not None and m.dim() == 3 and m.shape[1] == L and L > 1
-
-
-Rows = dict[str, torch.Tensor | None]
-
-
-def walk_rows(B: int, L: int, step: int, mods: Rows) -> Iterator[tuple[int, int, int, int, Rows]]:
-    """The row blocks of a call: ``(b, g, l0, l1, rows)``.
-
-    Rows ``l0:l1`` of sample ``b`` all lie in group ``g`` (a frame; 0 without per-frame
-    modulation) and use the modulation rows ``rows[name]``: 0-d (a scalar), ``[C]`` or,
-    per token, ``[l1 - l0, C]``. Views are made once per (sample, group) where they can
-    be: the Python work per block is a few slices.
-    """
-    G = _groups(*mods.values())
-    seg = L if G in (1, L) else L // G
-    for b in range(B):
-        for g, s0 in enumerate(range(0, L, seg)):
-            fixed: Rows = {}
-            token: dict[str, torch.Tensor] = {}
-            for name, m in mods.items():
-                if m is None or m.dim() == 0:
-                    fixed[name] = m
-                    continue
-                mb = m[b if m.shape[0] > 1 else 0]
-                if _per_token(m, L):
-                    token[name] = mb
-                else:
-                    fixed[name] = mb[0 if m.shape[1] == 1 else g]
-            s1 = min(s0 + seg, L)
-            for l0 in range(s0, s1, step):
-                l1 = min(l0 + step, s1)
-                rows = dict(fixed)
-                for name, mb in token.items():
-                    rows[name] = mb[l0:l1]
-                yield b, g, l0, l1, rows
 
 
 class _Buffers:
@@ -166,7 +117,7 @@ def _scale_operands(scale: torch.Tensor | None, L: int) -> Rows:
     a per-token scale is left to the blocks (the sum would be a full extra pass)."""
     if scale is None:
         return {}
-    if _per_token(scale, L):
+    if per_token(scale, L):
         return {"scale": scale}
     return {"one_plus": 1 + scale}
 
@@ -333,8 +284,8 @@ def _fast(
     step = rows_per_block(C)
     dev = x.device
     norm_dtype = x.dtype if residual is None else residual.dtype
-    per_token = _per_token(scale, L) or _per_token(shift, L)
-    fold = not per_token and norm_dtype == out_dtype
+    token_rows = per_token(scale, L) or per_token(shift, L)
+    fold = not token_rows and norm_dtype == out_dtype
     shared = all(m is None or m.dim() == 0 or m.shape[:2] == (1, 1) for m in (scale, shift))
     if residual is None and fold and shared:
         # One affine for every row: a single mixed-dtype LayerNorm over the whole tensor.
