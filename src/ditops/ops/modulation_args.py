@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from ditops.core.calls import OpCall
-from ditops.core.checks import dtype_name
+from ditops.core.checks import FLOATS, dtype_name
 
 ModulationArg = torch.Tensor | float | int | None
 
@@ -45,7 +45,7 @@ ACCEPTED_SHAPES = (
     "a scalar (Python number or 0-d tensor), [C], [B, 1, C], [B, L, C] (one row per token) "
     "or [B, F, 1, C] (one row per frame, L divisible by F), where the leading B may be 1"
 )
-_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_ACTIVATION_DTYPES = (*FLOATS, torch.float64)
 
 
 def rows3(x: object, op: str, name: str = "x") -> torch.Tensor:
