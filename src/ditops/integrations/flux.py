@@ -25,8 +25,8 @@ arithmetic: the modulated norms on
 a modulated norm on the fused
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate`, the last residual of
 each stream on :func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the fp16 clip
-where FLUX has it. Attention
-runs :class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
+where FLUX has it. Attention runs
+:class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
 ``FluxAttnProcessor`` with the prologue (RMSNorm of q and k per head, then the rotary
 embedding) on the fused
 :func:`~ditops.layers.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
