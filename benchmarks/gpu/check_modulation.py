@@ -20,9 +20,9 @@ from tests.precision import ulp_distance
 
 import ditops
 from ditops import config
-from ditops.layers.modulation import gated_residual as gr
-from ditops.layers.modulation import layer_norm_scale_shift as lss
-from ditops.layers.modulation import scale_residual_layer_norm_scale_shift as fused
+from ditops.ops.modulation_fp32 import gated_residual as gr
+from ditops.ops.modulation_fp32 import layer_norm_scale_shift as lss
+from ditops.ops.modulation_fp32 import scale_residual_layer_norm_scale_shift as fused
 
 CPU = not torch.cuda.is_available()
 dev = "cpu" if CPU else "cuda"

@@ -10,21 +10,24 @@ from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
 from ditops.integrations import PatchError, explain_patch, patch, set_step, unpatch
-from ditops.layers.adaln import adaln_modulate, adaln_residual, adaln_residual_modulate
 from ditops.layers.attention import (
     BlockSparseAttention,
     block_sparse_attention,
     estimate_block_mask,
 )
-from ditops.layers.modulation import (
-    LayerNormScaleShift,
-    ScaleResidualLayerNormScaleShift,
+from ditops.layers.modulation import LayerNormScaleShift, ScaleResidualLayerNormScaleShift
+from ditops.layers.norm import FP32LayerNorm
+from ditops.layers.rms_norm import RMSNorm
+from ditops.ops.modulation_fp32 import (
     gated_residual,
     layer_norm_scale_shift,
     scale_residual_layer_norm_scale_shift,
 )
-from ditops.layers.norm import FP32LayerNorm
-from ditops.layers.rms_norm import RMSNorm
+from ditops.ops.modulation_model_dtype import (
+    adaln_modulate,
+    adaln_residual,
+    adaln_residual_modulate,
+)
 from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
 from ditops.platform import device_kind, force_device_kind, visible_devices
 

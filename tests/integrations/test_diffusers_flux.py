@@ -84,7 +84,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
-    from ditops.layers import adaln
+    from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
     yield from spy_forward_cpu(
@@ -371,7 +371,7 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     reset_state()
     try:
         with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            from ditops.layers import adaln
+            from ditops.ops import modulation_model_dtype as adaln
             from ditops.ops import qk_norm_rope
 
             ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, qk_norm_rope.QKNormRopeOp)

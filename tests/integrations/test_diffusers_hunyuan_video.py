@@ -99,7 +99,7 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
-    from ditops.layers import adaln
+    from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
     yield from spy_forward_cpu(
@@ -507,7 +507,7 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     unpatched model: the GPU code path, diffusers' RMSNorm convention included."""
     from ditops import config
     from ditops.custom_op import reset_state
-    from ditops.layers import adaln
+    from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
     from tests.integrations.spies import install_spies
 

@@ -80,7 +80,7 @@ def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.
 
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    from ditops.layers import adaln
+    from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
     yield from spy_forward_cpu(

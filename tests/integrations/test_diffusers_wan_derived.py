@@ -122,7 +122,7 @@ def run(model: nn.Module, step: int | None = None, **kw: object) -> torch.Tensor
 @pytest.fixture
 def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
     """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
-    from ditops.layers import modulation
+    from ditops.ops import modulation_fp32 as modulation
     from ditops.ops import qk_norm_rope
     from ditops.ops.layer_norm import FP32LayerNormOp
 

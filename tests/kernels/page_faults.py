@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from ditops.kernels import modulation_shapes as shapes
 from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu import layer_norm as LN
 from ditops.kernels.cpu import modulation as K
+from ditops.ops import modulation_args as shapes
 
 L, C = 1024, 1024
 BLOCK_BYTES = 1 << 20

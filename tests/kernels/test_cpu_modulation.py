@@ -14,9 +14,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from ditops.kernels import modulation_shapes as shapes
 from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu import modulation as K
+from ditops.ops import modulation_args as shapes
 from tests.precision import assert_exact, assert_fast
 
 B, L, C, FRAMES = 2, 12, 40, 3

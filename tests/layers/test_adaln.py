@@ -18,7 +18,11 @@ import torch.nn.functional as F
 import ditops
 from ditops import config
 from ditops.custom_op import reset_state
-from ditops.layers.adaln import adaln_modulate, adaln_residual, adaln_residual_modulate
+from ditops.ops.modulation_model_dtype import (
+    adaln_modulate,
+    adaln_residual,
+    adaln_residual_modulate,
+)
 from tests.precision import assert_exact
 
 B, L, C, FRAMES = 2, 12, 33, 4  # C odd: no vector-width assumption

@@ -23,10 +23,9 @@ import ditops
 import ditops.backends.npu
 from ditops import config
 from ditops.custom_op import BackendUnavailableError, registered_ops, reset_state
-from ditops.kernels.modulation_shapes import ACCEPTED_SHAPES
-from ditops.layers.modulation import (
-    LayerNormScaleShift,
-    ScaleResidualLayerNormScaleShift,
+from ditops.layers.modulation import LayerNormScaleShift, ScaleResidualLayerNormScaleShift
+from ditops.ops.modulation_args import ACCEPTED_SHAPES
+from ditops.ops.modulation_fp32 import (
     gated_residual,
     layer_norm_scale_shift,
     scale_residual_layer_norm_scale_shift,

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from ditops import config
 from ditops.bench.harness import Case
 from ditops.bench.suite import Suite
-from ditops.layers.modulation import layer_norm_scale_shift, scale_residual_layer_norm_scale_shift
+from ditops.ops.modulation_fp32 import layer_norm_scale_shift, scale_residual_layer_norm_scale_shift
 
 WIDTHS = (1536, 3072, 5120)  # Wan 1.3B, Wan2.2 TI2V-5B, Wan 14B
 ROWS = {"small": (8192,), "full": (8192, 32760)}

@@ -20,11 +20,13 @@ FLUX has two kinds of blocks, both around adaLN-Zero in the model dtype (diffuse
 
 and the output norm ``norm_out`` (``AdaLayerNormContinuous``) is ``LN(h) * (1 + scale) +
 shift`` again. The patched model runs the same expressions on ditops' ops, in FLUX's own
-arithmetic: the modulated norms on :func:`~ditops.layers.adaln.adaln_modulate`, each
-gated residual followed by a modulated norm on the fused
-:func:`~ditops.layers.adaln.adaln_residual_modulate`, the last residual of each stream on
-:func:`~ditops.layers.adaln.adaln_residual`; the fp16 clip where FLUX has it. Attention
-runs :class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
+arithmetic: the modulated norms on
+:func:`~ditops.ops.modulation_model_dtype.adaln_modulate`, each gated residual followed by
+a modulated norm on the fused
+:func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate`, the last residual of
+each stream on :func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the fp16 clip
+where FLUX has it. Attention runs
+:class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
 ``FluxAttnProcessor`` with the prologue (RMSNorm of q and k per head, then the rotary
 embedding) on the fused
 :func:`~ditops.ops.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;

@@ -52,7 +52,7 @@ class HunyuanOps:
     it deep-copies and pickles with the model)."""
 
     def __init__(self, precision: str | None) -> None:
-        from ditops.layers import adaln
+        from ditops.ops import modulation_model_dtype as adaln
         from ditops.ops import qk_norm_rope
 
         self.modulate = adaln.AdaLNModulateOp()

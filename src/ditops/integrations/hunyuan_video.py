@@ -19,10 +19,11 @@ Its blocks are FLUX's adaLN-Zero chain in the model dtype, with the text tokens 
 
 * ``norm_out`` (``AdaLayerNormContinuous``): ``LN(h) * (1 + scale) + shift``.
 
-The patched blocks run the same expressions on :func:`~ditops.layers.adaln.adaln_modulate`,
-:func:`~ditops.layers.adaln.adaln_residual_modulate` and
-:func:`~ditops.layers.adaln.adaln_residual` (``h + a * g`` and ``g * a + h`` are the same
-bits: products and sums commute), and the attention on
+The patched blocks run the same expressions on
+:func:`~ditops.ops.modulation_model_dtype.adaln_modulate`,
+:func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate` and
+:func:`~ditops.ops.modulation_model_dtype.adaln_residual` (``h + a * g`` and ``g * a + h``
+are the same bits: products and sums commute), and the attention on
 :class:`~ditops.integrations.hunyuan_attention.HunyuanVideoAttnProcessor` (the q/k
 prologue on ``qk_norm_rope`` / ``rms_norm``; block-sparse video attention when asked).
 In exact precision the patched model is bitwise the unpatched one.

@@ -24,7 +24,7 @@ class ModulationOps:
     object: it deep-copies and pickles with the model)."""
 
     def __init__(self, precision: str | None) -> None:
-        from ditops.layers import modulation
+        from ditops.ops import modulation_fp32 as modulation
 
         self.ln_mod = modulation.LayerNormScaleShiftOp()
         self.fused = modulation.ScaleResidualLayerNormScaleShiftOp()

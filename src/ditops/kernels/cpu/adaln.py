@@ -1,9 +1,9 @@
 """adaLN-Zero in the model dtype on CPU: FLUX's modulated LayerNorm and gated residual.
 
-Inputs are validated by :mod:`ditops.layers.adaln`: activations ``[B, L, C]`` of one dtype
-(fp32, bf16 or fp16), modulations ``None`` or ``[Bm, G, C]`` views of that dtype (token
-``l`` uses row ``l // (L // G)``). The arithmetic each mode reproduces is stated in the
-layer's docstring.
+Inputs are validated by :mod:`ditops.ops.modulation_model_dtype`: activations
+``[B, L, C]`` of one dtype (fp32, bf16 or fp16), modulations ``None`` or ``[Bm, G, C]``
+views of that dtype (token ``l`` uses row ``l // (L // G)``). The arithmetic each mode
+reproduces is stated in the op's docstring.
 
 * ``exact`` runs eager's operations, in eager's dtype, on blocks of rows: ``F.layer_norm``
   of a block (ATen normalises each row on its own: a block gives the bits of the whole
@@ -18,13 +18,10 @@ layer's docstring.
   faster keeps their bits), per-token modulation and fp32 activations take the exact
   kernel (fp32 shows every reordering).
 
-What this buys on a CPU depends on the machine. Measured on the project's 2-core
-machine without AMX (AVX2 only, shared, load about 7), one thread, FLUX's
-``[1, 4608, 3072]`` bf16 with ``[1, 1, C]`` modulation: eager ``LN * (1 + s) + t`` 95 ms,
-the same operations on 2 MiB blocks 98-108 ms (there bf16 arithmetic, not memory, is
-the cost: ATen converts every bf16 operand on AVX2), the folded LayerNorm 70 ms; the
-gated residual 67 ms eager, 65 ms in blocks. On a machine whose bf16 arithmetic is
-cheap the blocks save the passes over memory (five of six for the modulated norm).
+What this buys on a CPU depends on the machine. Where bf16 arithmetic is costly (AVX2
+without AMX: ATen converts every bf16 operand) the blocks gain little over eager and the
+folded LayerNorm is the saving; where it is cheap the blocks save the passes over memory
+(five of six for the modulated norm). Measurements: ``benchmarks/cpu/flux.txt``.
 
 Each kernel is a ``torch.library`` custom op (:func:`~ditops.kernels.opaque.opaque_op`),
 so ``torch.compile`` calls it as one opaque op instead of unrolling the block loop.
@@ -36,14 +33,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ditops.kernels.cpu.modulation import _rows_per_block, _walk
+from ditops.kernels.cpu.modulation import rows_per_block
+from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
-
-Rows = dict[str, Tensor | None]
-
-
-def _per_token(m: Tensor | None, L: int) -> bool:
-    return m is not None and m.shape[1] == L and L > 1
 
 
 def _one_plus(scale: Tensor | None, L: int) -> Rows:
@@ -51,7 +43,7 @@ def _one_plus(scale: Tensor | None, L: int) -> Rows:
     scale is left to the blocks (the sum would be a whole extra pass)."""
     if scale is None:
         return {"one_plus": None}
-    if _per_token(scale, L):
+    if per_token(scale, L):
         return {"scale": scale}
     return {"one_plus": 1 + scale}
 
@@ -88,7 +80,7 @@ def _modulate_exact(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: 
     B, L, C = x.shape
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     mods = {**_one_plus(scale, L), "shift": shift}
-    for b, _, l0, l1, rows in _walk(B, L, _rows_per_block(C), mods):
+    for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
         _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
     return out
 
@@ -110,7 +102,7 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
         return F.layer_norm(x, (C,), w, bb, eps)
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
-    for b, g, l0, l1, rows in _walk(B, L, _rows_per_block(C), {"scale": scale, "shift": shift}):
+    for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), {"scale": scale, "shift": shift}):
         if (b, g) not in params:
             params[(b, g)] = _folded(rows["scale"], rows["shift"])
         w, bb = params[(b, g)]
@@ -120,7 +112,7 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
 
 def _exact_only(x: Tensor, *mods: Tensor | None) -> bool:
     """Calls the fast kernel cannot take: fp32 (every reordering shows) or per-token rows."""
-    return x.dtype == torch.float32 or any(_per_token(m, x.shape[1]) for m in mods)
+    return x.dtype == torch.float32 or any(per_token(m, x.shape[1]) for m in mods)
 
 
 # --- the custom ops ---------------------------------------------------------------------------
@@ -154,9 +146,9 @@ def residual(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     out = torch.empty((B, L, C), dtype=residual.dtype, device=residual.device)
     if residual.numel() == 0:
         return out
-    step = _rows_per_block(C)
+    step = rows_per_block(C)
     tmp = _scratch(min(step, L), C, residual)
-    for b, _, l0, l1, rows in _walk(B, L, step, {"gate": gate}):
+    for b, _, l0, l1, rows in walk_rows(B, L, step, {"gate": gate}):
         _residual_block(
             residual[b, l0:l1], x[b, l0:l1], rows["gate"], tmp[: l1 - l0], out[b, l0:l1]
         )
@@ -187,11 +179,11 @@ def residual_modulate(
     if residual.numel() == 0:
         return out, new
     exact = exact or _exact_only(residual, scale, shift)
-    step = _rows_per_block(C)
+    step = rows_per_block(C)
     tmp = _scratch(min(step, L), C, residual)
     mods = {"gate": gate, **(_one_plus(scale, L) if exact else {"scale": scale}), "shift": shift}
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
-    for b, g, l0, l1, rows in _walk(B, L, step, mods):
+    for b, g, l0, l1, rows in walk_rows(B, L, step, mods):
         nb = new[b, l0:l1]
         _residual_block(residual[b, l0:l1], x[b, l0:l1], rows["gate"], tmp[: l1 - l0], nb)
         if exact:

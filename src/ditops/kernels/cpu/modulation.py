@@ -1,6 +1,6 @@
 """DiT modulation on CPU: LayerNorm with scale/shift, the gated residual, and both fused.
 
-Inputs are already validated and normalised (see :mod:`ditops.kernels.modulation_shapes`):
+Inputs are already validated and normalised (see :mod:`ditops.ops.modulation_args`):
 activations ``[B, L, C]``, LayerNorm weight/bias fp32 ``[C]`` or None, each modulation
 None, a 0-d tensor (a scalar, promoted as eager PyTorch promotes scalars) or a
 ``[Bm, G, C]`` view, token ``l`` using row ``l // (L // G)``.
@@ -30,10 +30,8 @@ output:
   residual is the exact one in both modes (nothing faster to fold), and an fp32 output
   takes the exact kernel (fp32 shows every reordering).
 
-Measured on the project's 2-core machine (shared and noisy, one thread, [1, 8192, 5120]
-bf16, fp32 [B, 1, C] modulation): eager 406 ms, torch.compile 68 ms, clone 41 ms,
-exact 110 ms (bitwise eager), fast 65 ms; fused residual + norm: eager 786 ms, exact
-200 ms, fast 175 ms.
+Timings against eager and ``torch.compile``: ``benchmarks/cpu/modulation.txt`` (and
+``modulation-malloc.txt`` for the allocator's states).
 
 Each kernel is a ``torch.library`` custom op, so ``torch.compile`` calls it as one
 opaque op instead of unrolling the block loop.
@@ -41,74 +39,23 @@ opaque op instead of unrolling the block loop.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import torch
 import torch.nn.functional as F
 
 from ditops.kernels.cpu import blocks
+from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
 #: busy machine each region waits for a descheduled worker thread, so fewer, larger
-#: blocks are far more robust, and on a quiet one the size barely matters. Measured at
-#: [8192, 5120] bf16, 2 threads, quiet: 256 KiB 89 ms, 512 KiB 74 ms, 1-4 MiB 65 ms;
-#: with the 2 cores oversubscribed (load 4.4): 1 MiB 1153 ms, 4 MiB 535 ms, 8 MiB 412 ms,
-#: eager 615 ms. One thread: flat from 256 KiB to 4 MiB. The temporaries (a few blocks)
-#: then sit in L3 rather than L2, which costs nothing measurable here.
+#: blocks are far more robust, and on a quiet one the size barely matters. The
+#: temporaries (a few blocks) then sit in L3 rather than L2.
 _BLOCK_BYTES = 4 * 1024 * 1024
 
 
-def _rows_per_block(C: int) -> int:
+def rows_per_block(C: int) -> int:
+    """Rows of ``C`` channels per block: :data:`_BLOCK_BYTES` of fp32."""
     return max(1, _BLOCK_BYTES // max(1, 4 * C))
-
-
-def _groups(*mods: torch.Tensor | None) -> int:
-    """The common row count G of the 3-D modulations (1 when none is per frame/token)."""
-    g = 1
-    for m in mods:
-        if m is not None and m.dim() == 3 and m.shape[1] > 1:
-            g = m.shape[1]
-    return g
-
-
-def _per_token(m: torch.Tensor | None, L: int) -> bool:
-    return m is not None and m.dim() == 3 and m.shape[1] == L and L > 1
-
-
-Rows = dict[str, torch.Tensor | None]
-
-
-def _walk(B: int, L: int, step: int, mods: Rows) -> Iterator[tuple[int, int, int, int, Rows]]:
-    """The row blocks of a call: ``(b, g, l0, l1, rows)``.
-
-    Rows ``l0:l1`` of sample ``b`` all lie in group ``g`` (a frame; 0 without per-frame
-    modulation) and use the modulation rows ``rows[name]``: 0-d (a scalar), ``[C]`` or,
-    per token, ``[l1 - l0, C]``. Views are made once per (sample, group) where they can
-    be: the Python work per block is a few slices.
-    """
-    G = _groups(*mods.values())
-    seg = L if G in (1, L) else L // G
-    for b in range(B):
-        for g, s0 in enumerate(range(0, L, seg)):
-            fixed: Rows = {}
-            token: dict[str, torch.Tensor] = {}
-            for name, m in mods.items():
-                if m is None or m.dim() == 0:
-                    fixed[name] = m
-                    continue
-                mb = m[b if m.shape[0] > 1 else 0]
-                if _per_token(m, L):
-                    token[name] = mb
-                else:
-                    fixed[name] = mb[0 if m.shape[1] == 1 else g]
-            s1 = min(s0 + seg, L)
-            for l0 in range(s0, s1, step):
-                l1 = min(l0 + step, s1)
-                rows = dict(fixed)
-                for name, mb in token.items():
-                    rows[name] = mb[l0:l1]
-                yield b, g, l0, l1, rows
 
 
 class _Buffers:
@@ -170,7 +117,7 @@ def _scale_operands(scale: torch.Tensor | None, L: int) -> Rows:
     a per-token scale is left to the blocks (the sum would be a full extra pass)."""
     if scale is None:
         return {}
-    if _per_token(scale, L):
+    if per_token(scale, L):
         return {"scale": scale}
     return {"one_plus": 1 + scale}
 
@@ -236,12 +183,12 @@ def _layer_norm_scale_shift_exact(
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
     B, L, C = x.shape
-    step, piece = _plan(B, L, _rows_per_block(C), 4 * C)
+    step, piece = _plan(B, L, rows_per_block(C), 4 * C)
     out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
     mods = {**_scale_operands(scale, L), "shift": shift}
     with blocks.scratch() as scratch:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in _walk(B, L, step, mods):
+        for b, _, l0, l1, rows in walk_rows(B, L, step, mods):
             xc = x[b, l0:l1]
             y_in = xc if xc.dtype == torch.float32 else bufs.get(0, l1 - l0).copy_(xc)
             _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
@@ -252,11 +199,11 @@ def _gated_residual_exact(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None
 ) -> torch.Tensor:
     B, L, C = residual.shape
-    step = _rows_per_block(C)
+    step = rows_per_block(C)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
     with blocks.scratch() as scratch:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in _walk(B, L, step, {"gate": gate}):
+        for b, _, l0, l1, rows in walk_rows(B, L, step, {"gate": gate}):
             acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
             out[b, l0:l1].copy_(acc)
     return out
@@ -274,13 +221,13 @@ def _fused_exact(
     out_dtype: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     B, L, C = residual.shape
-    step, piece = _plan(B, L, _rows_per_block(C), 4 * C)
+    step, piece = _plan(B, L, rows_per_block(C), 4 * C)
     out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
     new_res = torch.empty_like(residual, memory_format=torch.contiguous_format)
     mods = {"gate": gate, **_scale_operands(scale, L), "shift": shift}
     with blocks.scratch() as scratch:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in _walk(B, L, step, mods):
+        for b, _, l0, l1, rows in walk_rows(B, L, step, mods):
             acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
             nr = new_res[b, l0:l1]
             nr.copy_(acc)
@@ -334,11 +281,11 @@ def _fast(
     output dtype other than the norm input's) takes fp32 blocks and one ``addcmul``.
     """
     B, L, C = x.shape
-    step = _rows_per_block(C)
+    step = rows_per_block(C)
     dev = x.device
     norm_dtype = x.dtype if residual is None else residual.dtype
-    per_token = _per_token(scale, L) or _per_token(shift, L)
-    fold = not per_token and norm_dtype == out_dtype
+    token_rows = per_token(scale, L) or per_token(shift, L)
+    fold = not token_rows and norm_dtype == out_dtype
     shared = all(m is None or m.dim() == 0 or m.shape[:2] == (1, 1) for m in (scale, shift))
     if residual is None and fold and shared:
         # One affine for every row: a single mixed-dtype LayerNorm over the whole tensor.
@@ -355,7 +302,7 @@ def _fast(
     mods = {"gate": gate, "scale": scale, "shift": shift}
     with blocks.scratch() as scratch:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, g, l0, l1, rows in _walk(B, L, step, mods):
+        for b, g, l0, l1, rows in walk_rows(B, L, step, mods):
             if residual is None or new_res is None:
                 normed_in = x[b, l0:l1]
             else:

@@ -1,4 +1,10 @@
-"""The arguments of the DiT modulation ops: validated in one place, normalised to one form.
+"""The arguments of the DiT modulation ops, both chains: checked once, normalised to one form.
+
+Wan's chain (:mod:`ditops.ops.modulation_fp32`) and FLUX's/HunyuanVideo's
+(:mod:`ditops.ops.modulation_model_dtype`) take the same activations and modulations;
+this module checks them (:func:`prepare_activations`, :func:`check_modulation`), holds
+the call record both chains share (:class:`ModulationCall`) and turns its modulations
+into the operands the kernels take (:meth:`ModulationCall.rows` and friends).
 
 Shape rule. Activations ``x`` (and ``residual``) are ``[B, L, C]`` (batch, tokens,
 channels) or ``[L, C]``, taken as ``B = 1``; the output always has the input's shape.
@@ -25,9 +31,13 @@ bf16); :func:`exact_operand` keeps them 0-d.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from ditops.core.calls import OpCall
+from ditops.core.checks import FLOATS, dtype_name
 
 ModulationArg = torch.Tensor | float | int | None
 
@@ -35,11 +45,7 @@ ACCEPTED_SHAPES = (
     "a scalar (Python number or 0-d tensor), [C], [B, 1, C], [B, L, C] (one row per token) "
     "or [B, F, 1, C] (one row per frame, L divisible by F), where the leading B may be 1"
 )
-_ACTIVATION_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+_ACTIVATION_DTYPES = (*FLOATS, torch.float64)
 
 
 def rows3(x: object, op: str, name: str = "x") -> torch.Tensor:
@@ -51,7 +57,7 @@ def rows3(x: object, op: str, name: str = "x") -> torch.Tensor:
         raise TypeError(f"{op}: {name} must be a tensor, got {type(x).__name__}")
     if x.dtype not in _ACTIVATION_DTYPES:
         raise TypeError(
-            f"{op}: {name} has dtype {_dtype_name(x.dtype)}; expected float32, bfloat16, "
+            f"{op}: {name} has dtype {dtype_name(x.dtype)}; expected float32, bfloat16, "
             "float16 or float64"
         )
     if x.dim() == 3:
@@ -70,7 +76,7 @@ def check_param(p: object, x3: torch.Tensor, op: str, name: str) -> None:
     if not isinstance(p, torch.Tensor):
         raise TypeError(f"{op}: {name} must be a tensor or None, got {type(p).__name__}")
     if not p.is_floating_point():
-        raise TypeError(f"{op}: {name} has dtype {_dtype_name(p.dtype)}; expected a float dtype")
+        raise TypeError(f"{op}: {name} has dtype {dtype_name(p.dtype)}; expected a float dtype")
     C = x3.shape[-1]
     if tuple(p.shape) != (C,):
         raise ValueError(f"{op}: {name} must have shape [C] = [{C}], got {tuple(p.shape)}")
@@ -108,6 +114,15 @@ class Modulation:
         v = self.value
         return v is not None and (not isinstance(v, torch.Tensor) or v.dim() == 0)
 
+    def tensors(self) -> Iterator[torch.Tensor]:
+        """The argument, when it is a tensor (read by the call record's checks)."""
+        if isinstance(self.value, torch.Tensor):
+            yield self.value
+
+
+#: A modulation left out (``scale``/``shift`` None, or an op without a gate).
+ABSENT = Modulation(None, 0, 1)
+
 
 def check_modulation(
     value: object,
@@ -123,7 +138,7 @@ def check_modulation(
     wrong ``C``, ``B`` or ``F`` and another device are a ValueError.
     """
     if value is None:
-        return Modulation(None, 0, 1)
+        return ABSENT
     B, L, C = x3.shape
     if isinstance(value, bool) or not isinstance(value, (int, float, torch.Tensor)):
         raise TypeError(
@@ -132,9 +147,9 @@ def check_modulation(
     if not isinstance(value, torch.Tensor):
         return Modulation(value, 1, 1)
     if value.dtype not in dtypes:
-        allowed = " or ".join(dict.fromkeys(_dtype_name(d) for d in dtypes))
+        allowed = " or ".join(dict.fromkeys(dtype_name(d) for d in dtypes))
         raise TypeError(
-            f"{op}: {name} has dtype {_dtype_name(value.dtype)}; expected {allowed} "
+            f"{op}: {name} has dtype {dtype_name(value.dtype)}; expected {allowed} "
             "(fp32 or the model dtype)"
         )
     if value.device != x3.device:
@@ -242,3 +257,89 @@ def grouped_view(
     rows = modulation_rows(mod, x3)
     assert rows is not None
     return x4, rows.unsqueeze(2)
+
+
+# --- the call record both chains share ------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ModulationCall(OpCall):
+    """One checked call of a modulation op: ``[B, L, C]`` views, the modulations (each
+    :data:`ABSENT` where the op or the call has none) and their common row count."""
+
+    x: torch.Tensor  # [B, L, C]
+    residual: torch.Tensor | None  # [B, L, C]; None: the op has no residual
+    gate: Modulation
+    scale: Modulation
+    shift: Modulation
+    groups: int
+    eps: float
+    shape: torch.Size  # of the activations: every output takes it
+    weight: torch.Tensor | None = None  # the LayerNorm's, as given (Wan's chain only)
+    bias: torch.Tensor | None = None
+    out_dtype: torch.dtype | None = None  # of the modulated output (Wan's chain only)
+
+    @property
+    def model(self) -> torch.Tensor:
+        """The tensor whose dtype is the model's: the residual, else x."""
+        return self.residual if self.residual is not None else self.x
+
+    def mods(self) -> dict[str, Modulation]:
+        return {"gate": self.gate, "scale": self.scale, "shift": self.shift}
+
+    def grouped(self, h: torch.Tensor, name: str) -> tuple[torch.Tensor, ModulationArg]:
+        """:func:`grouped_view` of ``h`` ([B, L, C]) and the modulation ``name``."""
+        return grouped_view(h, self.groups, getattr(self, name))
+
+    def rows(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+        """The modulation ``name`` as the ``[Bm, G, C]`` view kernels take (None: absent)."""
+        return modulation_rows(getattr(self, name), self.x, dtype)
+
+    def rows_or_zeros(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """As :meth:`rows`, zeros of ``dtype`` when absent (``1 + 0`` and ``+ 0`` change no
+        value; the Triton LayerNorm epilogue takes both scale and shift or neither)."""
+        rows = self.rows(name)
+        if rows is None:
+            return torch.zeros((1, 1, 1), dtype=dtype, device=self.x.device)
+        return rows
+
+    def exact_operand(self, name: str) -> torch.Tensor | None:
+        """:func:`exact_operand` of the modulation ``name``."""
+        return exact_operand(getattr(self, name), self.x)
+
+
+def prepare_activations(
+    op: str, x: object, residual: object
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Size]:
+    """``x`` (and ``residual``) as ``[B, L, C]`` views, checked to match, and the shape the
+    outputs take."""
+    x3 = rows3(x, op, "x")
+    if residual is None:
+        return x3, None, x.shape  # type: ignore[attr-defined]
+    res3 = rows3(residual, op, "residual")
+    if tuple(residual.shape) != tuple(x.shape):  # type: ignore[attr-defined]
+        raise ValueError(
+            f"{op}: x has shape {tuple(x.shape)}; expected the residual's shape "  # type: ignore[attr-defined]
+            f"{tuple(residual.shape)}"  # type: ignore[attr-defined]
+        )
+    if x3.device != res3.device:
+        raise ValueError(f"{op}: x is on {x3.device}; expected the residual's device {res3.device}")
+    return x3, res3, residual.shape  # type: ignore[attr-defined]
+
+
+def check_modulations(
+    op: str,
+    model: torch.Tensor,
+    gate: tuple[ModulationArg, tuple[torch.dtype, ...]] | None,
+    scale_shift: tuple[ModulationArg, ModulationArg, tuple[torch.dtype, ...]] | None,
+) -> tuple[Modulation, Modulation, Modulation, int]:
+    """``(gate, scale, shift, groups)``: each given modulation checked against ``model``
+    ([B, L, C]) with its allowed dtypes; one the op does not take is :data:`ABSENT`."""
+    g = ABSENT if gate is None else check_modulation(gate[0], model, op, "gate", gate[1])
+    s = t = ABSENT
+    if scale_shift is not None:
+        scale, shift, dtypes = scale_shift
+        s = check_modulation(scale, model, op, "scale", dtypes)
+        t = check_modulation(shift, model, op, "shift", dtypes)
+    mods = {"gate": g, "scale": s, "shift": t}
+    return g, s, t, common_groups(op, mods, model.shape[1])
