@@ -25,6 +25,7 @@ from ditops.layers.modulation import (
 )
 from ditops.layers.norm import FP32LayerNorm
 from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
+from ditops.ops.gelu import gelu_tanh_bias
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "block_sparse_attention",
     "estimate_block_mask",
     "gated_residual",
+    "gelu_tanh_bias",
     "layer_norm_scale_shift",
     "qk_norm_rope",
     "rms_norm",
