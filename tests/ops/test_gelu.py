@@ -67,10 +67,24 @@ def test_blocks_that_split_eagers_vector_steps_would_differ(monkeypatch) -> None
     from ditops.kernels.cpu import gelu as kernel
 
     x, b = inputs((1536, 4100), FP32)
-    assert kernel._plan(x, FP32) == 48  # blocks run (not eager's expression)
+    assert kernel._plan(x, FP32) == 8  # blocks run (not eager's expression)
     assert_exact(kernel.gelu_tanh_bias(x, b), eager(x, b))
     monkeypatch.setattr(kernel, "_plan", lambda rows, dtype: 127)
     assert not torch.equal(kernel.gelu_tanh_bias(x, b), eager(x, b))
+
+
+@pytest.mark.parametrize("mode", ["inference", "no_grad", "grad"])
+def test_cpu_blocks_under_every_grad_mode(mode: str) -> None:
+    """The worker threads take the caller's mode (outputs made in inference mode are
+    written in inference mode)."""
+    x, b = inputs((2, 300, 4096), BF16)
+    ctx = {"inference": torch.inference_mode, "no_grad": torch.no_grad}.get(mode)
+    if ctx is None:
+        out = op(x, b)
+    else:
+        with ctx():
+            out = op(x, b)
+    assert_exact(out, eager(x, b))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])

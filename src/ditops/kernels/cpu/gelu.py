@@ -2,26 +2,29 @@
 
 Memory model for bf16 ``[R, C]``: eager writes the sum ``x + bias`` to a temporary and
 reads it back for the GELU, 8 bytes per element (read x 2, write 2, read 2, write the
-output 2) where a copy moves 4. This kernel runs the same two ATen calls on blocks of
-rows small enough that the block's sum stays in L2 (``torch.add(..., out=)`` into a
-scratch block, the GELU written straight into the output): 4 bytes per element from
-memory. Timings: benchmarks/cpu/probes/gelu.txt.
+output 2) where a copy moves 4. This kernel runs the same two ATen calls on small blocks
+of rows (``torch.add(..., out=)`` into a scratch block that stays in cache, the GELU
+written straight into the output): 4 bytes per element from memory.
+
+Threads: each block's calls are small enough for ATen to run them on the calling thread
+(no OpenMP region: on a loaded machine each region's barrier cost milliseconds, which
+made 1 MiB blocks 3x slower than eager); ``torch.get_num_threads()`` Python threads
+(ATen releases the GIL) take one range of rows each. Timings:
+benchmarks/cpu/probes/gelu.txt.
 
 Why the blocks keep eager's bits: the sum is one IEEE addition per element (``out=``
 rounds as ``.to`` does), but ATen's GELU gives other bits for some inputs in its scalar
-loop than in its vector loop (tanh differs), and it runs the scalar loop on the last
-``n mod (2 * lanes)`` elements of each thread's chunk. A blocked call therefore matches
-only where it puts no element in a scalar tail that eager computes with vectors, and
-the reverse. :func:`_plan` checks that neither does: every thread chunk of eager's call
-and of each block's call is a whole number of vector steps (ATen splits a GELU of more
-than ``_SERIAL`` elements into ``get_num_threads()`` equal chunks); any other call (a
-row width or thread count that does not divide, small, strided inputs) runs eager's
-expression as it is.
+loop than in its vector loop (tanh differs; ~7% of fp32 inputs), and it runs the scalar
+loop on the last ``n mod (2 * lanes)`` elements of each chunk it hands a thread.
+:func:`_plan` blocks a call only where eager's chunks (``get_num_threads()`` equal ones
+above ``_SERIAL`` elements) and every block are whole vector steps: then no element is
+scalar on either side. Any other call runs eager's expression as it is.
 """
 
 from __future__ import annotations
 
 import math
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 import torch.nn.functional as F
@@ -29,46 +32,62 @@ import torch.nn.functional as F
 from ditops.kernels.cpu import blocks
 from ditops.kernels.opaque import opaque_op
 
-#: Bytes of the sum per block (stays in L2 with the output block).
-_BLOCK_BYTES = 1024 * 1024
 #: A multiple of every ATen vector step on CPU: two 64-byte vectors (AVX-512) per step.
 _STEP_BYTES = 128
-#: ATen's GELU runs on one thread up to this many elements (GELU_MIN_ELEMENTS_FOR_MULTI_THREADING).
+#: ATen runs a GELU of at most this many elements on the calling thread
+#: (GELU_MIN_ELEMENTS_FOR_MULTI_THREADING; its add stays serial below 32768): the most
+#: elements per call, and the block size (32 KiB of bf16: the sum stays in L1/L2).
 _SERIAL = 16384
 
 
-def _whole_steps(n: int, threads: int, step: int) -> bool:
-    """Whether a GELU call on ``n`` contiguous elements has no scalar tail in any chunk."""
-    chunk = n if n <= _SERIAL else -(-n // threads)
-    return chunk % step == 0 and n % step == 0
-
-
-def _plan(rows: torch.Tensor, dtype: torch.dtype) -> int | None:
-    """Rows per block, or None where blocks would not give eager's bits (or gain nothing)."""
-    R, C = rows.shape
-    n, step, threads = R * C, _STEP_BYTES // dtype.itemsize, torch.get_num_threads()
-    per = max(1, _BLOCK_BYTES // (C * dtype.itemsize))
-    unit = threads * step // math.gcd(C, threads * step)  # rows whose GELU splits evenly
-    per = per // unit * unit
-    if per == 0 or R <= per or not _whole_steps(n, threads, step):
-        return None
-    last = R % per
-    ok = _whole_steps(per * C, threads, step) and (
-        not last or _whole_steps(last * C, threads, step)
-    )
-    return per if ok else None
+#: Fewer blocks than this per thread: the calling thread does them all.
+_MIN_BLOCKS_PER_THREAD = 8
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """``x`` as a ``[R, C]`` view of rows in memory order (eager's sum is then contiguous)."""
-    C = x.shape[-1]
-    if x.dim() == 0 or x.numel() == 0 or x.stride(-1) != 1:
+    C = x.shape[-1] if x.dim() else 0
+    if x.numel() == 0 or x.stride(-1) != 1:
         return None
     try:
         rows = x.view(-1, C)
     except RuntimeError:
         return None
     return rows if rows.shape[0] == 1 or rows.stride(0) >= C else None
+
+
+def _plan(rows: torch.Tensor, dtype: torch.dtype) -> int | None:
+    """Rows per block, or None where blocks would not give eager's bits (or gain nothing)."""
+    R, C = rows.shape
+    n, step = R * C, _STEP_BYTES // dtype.itemsize
+    chunk = n if n <= _SERIAL else -(-n // torch.get_num_threads())
+    if n <= 2 * _SERIAL or n % step or chunk % step:
+        return None  # small, or eager runs a scalar tail somewhere
+    unit = step // math.gcd(C, step)  # rows making whole vector steps
+    return max(1, _SERIAL // (unit * C)) * unit
+
+
+def _run(
+    rows: torch.Tensor,
+    bias: torch.Tensor,
+    out: torch.Tensor,
+    r0: int,
+    r1: int,
+    per: int,
+    inference: bool,
+) -> None:
+    """Rows ``[r0, r1)``: the sum of a block into scratch, its GELU into ``out``, in
+    pieces of at most ``_SERIAL`` elements (all whole vector steps)."""
+    with blocks.scratch() as scratch, torch.inference_mode(inference):
+        tmp = scratch.take(0, per, rows.shape[1], rows.dtype)
+        for b0 in range(r0, r1, per):
+            src = rows[b0 : min(b0 + per, r1)]
+            t = tmp[: src.shape[0]]
+            torch.add(src, bias, out=t)
+            dst = out[b0 : b0 + src.shape[0]].view(-1)
+            for p0 in range(0, t.numel(), _SERIAL):
+                p = t.view(-1)[p0 : p0 + _SERIAL]
+                torch._C._nn.gelu(p, approximate="tanh", out=dst[p0 : p0 + _SERIAL])
 
 
 @opaque_op("ditops::cpu_gelu_tanh_bias")
@@ -82,13 +101,20 @@ def gelu_tanh_bias(x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     if per is None:
         return F.gelu((x + bias).to(x.dtype), approximate="tanh")
     out = torch.empty(rows.shape, dtype=x.dtype)
-    with blocks.scratch() as scratch:
-        tmp = scratch.take(0, per, rows.shape[1], x.dtype)
-        for r0 in range(0, rows.shape[0], per):
-            src, dst = rows[r0 : r0 + per], out[r0 : r0 + per]
-            t = tmp[: src.shape[0]]
-            torch.add(src, bias, out=t)
-            torch._C._nn.gelu(t, approximate="tanh", out=dst)
+    R, inference = rows.shape[0], torch.is_inference_mode_enabled()
+    parts = max(1, min(torch.get_num_threads(), R // (_MIN_BLOCKS_PER_THREAD * per)))
+    cuts = [R * i // parts // per * per for i in range(parts)] + [R]
+    if parts == 1:
+        _run(rows, bias, out, 0, R, per, inference)
+        return out.view(x.shape)
+    with ThreadPoolExecutor(parts - 1) as pool:
+        rest = [
+            pool.submit(_run, rows, bias, out, a, b, per, inference)
+            for a, b in zip(cuts[1:-1], cuts[2:])
+        ]
+        _run(rows, bias, out, cuts[0], cuts[1], per, inference)
+        for f in rest:
+            f.result()  # a worker's error is raised here
     return out.view(x.shape)
 
 
