@@ -77,17 +77,21 @@ def _run(
     inference: bool,
 ) -> None:
     """Rows ``[r0, r1)``: the sum of a block into scratch, its GELU into ``out``, in
-    pieces of at most ``_SERIAL`` elements (all whole vector steps)."""
+    pieces of at most ``_SERIAL`` elements (whole vector steps). Views are made up front
+    (one call each): per block only the ATen calls run in Python."""
+    C = rows.shape[1]
     with blocks.scratch() as scratch, torch.inference_mode(inference):
-        tmp = scratch.take(0, per, rows.shape[1], rows.dtype)
-        for b0 in range(r0, r1, per):
-            src = rows[b0 : min(b0 + per, r1)]
-            t = tmp[: src.shape[0]]
+        tmp = scratch.take(0, per, C, rows.dtype)
+        tmp_pieces = tmp.view(-1).split(_SERIAL)
+        for src, dst in zip(rows[r0:r1].split(per), out[r0:r1].split(per)):
+            if src.shape[0] == per:
+                t, pieces = tmp, tmp_pieces
+            else:
+                t = tmp[: src.shape[0]]
+                pieces = t.view(-1).split(_SERIAL)
             torch.add(src, bias, out=t)
-            dst = out[b0 : b0 + src.shape[0]].view(-1)
-            for p0 in range(0, t.numel(), _SERIAL):
-                p = t.view(-1)[p0 : p0 + _SERIAL]
-                torch._C._nn.gelu(p, approximate="tanh", out=dst[p0 : p0 + _SERIAL])
+            for p, d in zip(pieces, dst.view(-1).split(_SERIAL)):
+                torch._C._nn.gelu(p, approximate="tanh", out=d)
 
 
 @opaque_op("ditops::cpu_gelu_tanh_bias")
