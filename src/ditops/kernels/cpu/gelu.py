@@ -9,8 +9,9 @@ written straight into the output): 4 bytes per element from memory.
 Threads: each block's calls are small enough for ATen to run them on the calling thread
 (no OpenMP region: on a loaded machine each region's barrier cost milliseconds, which
 made 1 MiB blocks 3x slower than eager); ``torch.get_num_threads()`` Python threads
-(ATen releases the GIL) take one range of rows each. Timings:
-benchmarks/cpu/probes/gelu.txt.
+(ATen releases the GIL) take one range of rows each. Timings, and why the bytes saved
+did not show as time on the project machine (its bf16 GELU is compute-bound, ~3x a
+copy): benchmarks/cpu/probes/gelu.txt.
 
 Why the blocks keep eager's bits: the sum is one IEEE addition per element (``out=``
 rounds as ``.to`` does), but ATen's GELU gives other bits for some inputs in its scalar
