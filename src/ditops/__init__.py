@@ -18,6 +18,7 @@ from ditops.layers.attention import (
 from ditops.layers.modulation import LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ditops.layers.norm import FP32LayerNorm
 from ditops.layers.rms_norm import RMSNorm
+from ditops.ops.gelu import gelu_tanh_bias
 from ditops.ops.modulation_fp32 import (
     gated_residual,
     layer_norm_scale_shift,
@@ -44,6 +45,7 @@ __all__ = [
     "block_sparse_attention",
     "estimate_block_mask",
     "gated_residual",
+    "gelu_tanh_bias",
     "layer_norm_scale_shift",
     "qk_norm_rope",
     "rms_norm",

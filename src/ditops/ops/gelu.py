@@ -1,0 +1,81 @@
+"""``gelu_tanh_bias``: the tanh GELU of ``x + bias``, the feed-forward activation of Wan and FLUX.
+
+Meaning (``forward_native``), in x's dtype::
+
+    F.gelu((x + bias).to(x.dtype), approximate="tanh")   # bias None: F.gelu(x, ...)
+
+diffusers' ``GELU(approximate="tanh")`` computes ``F.gelu(proj(h), approximate="tanh")``
+with ``proj`` a biased Linear; running the Linear without its bias and then this op
+makes the bias add and the activation one pass over the ``[tokens, ffn_dim]``
+activations instead of two. ``.to`` matters only for an fp32 bias with low-precision x.
+
+Paths: ``cpu`` (exact and fast: eager's ATen calls on row blocks that stay in cache,
+:mod:`ditops.kernels.cpu.gelu`), ``cuda``/``hip``/``xpu`` through one Triton pass
+(fast; exact runs native). Both propagate NaN and inf as the meaning does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from ditops.backends.triton import TRITON
+from ditops.core.calls import OpCall
+from ditops.core.checks import FLOATS, check_tensor
+from ditops.core.op import CustomOp, register_op
+from ditops.core.paths import path
+
+OP = "gelu_tanh_bias"
+
+
+@dataclass(slots=True)
+class GeluCall(OpCall):
+    x: torch.Tensor
+    bias: torch.Tensor | None  # [C], x's dtype or fp32
+
+
+@register_op(OP)
+class GeluTanhBiasOp(CustomOp):
+    """``gelu_tanh_bias(x, bias=None)``; see the module docstring."""
+
+    def prepare(  # type: ignore[override]
+        self, x: torch.Tensor, bias: torch.Tensor | None = None
+    ) -> GeluCall:
+        check_tensor(OP, "x", x)
+        if bias is None:
+            return GeluCall(x, None)
+        allowed = tuple(dict.fromkeys((x.dtype, torch.float32)))
+        check_tensor(OP, "bias", bias, allowed)
+        if x.dim() == 0 or tuple(bias.shape) != (x.shape[-1],):
+            want = f"({x.shape[-1]},)" if x.dim() else "None (x is a scalar)"
+            raise ValueError(
+                f"{OP}: bias of shape {tuple(bias.shape)} does not fit x of shape "
+                f"{tuple(x.shape)}; expected a 1-D bias of x's last dim: {want}"
+            )
+        if bias.device != x.device:
+            raise ValueError(f"{OP}: bias is on {bias.device}; expected x's device {x.device}")
+        return GeluCall(x, bias)
+
+    def forward_native(self, c: GeluCall) -> torch.Tensor:
+        h = c.x if c.bias is None else (c.x + c.bias).to(c.x.dtype)
+        return F.gelu(h, approximate="tanh")
+
+    @path(precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+          propagates_non_finite=True)  # fmt: skip
+    def forward_cpu(self, c: GeluCall) -> torch.Tensor:
+        from ditops.kernels.cpu.gelu import gelu_tanh_bias
+
+        return gelu_tanh_bias(c.x, c.bias)
+
+    @path("cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+          propagates_non_finite=True)  # fmt: skip
+    def forward_cuda(self, c: GeluCall) -> torch.Tensor:
+        from ditops.kernels.triton.gelu import gelu_tanh_bias
+
+        return gelu_tanh_bias(c.x, c.bias)
+
+
+#: ``gelu_tanh_bias(x, bias=None)``
+gelu_tanh_bias = GeluTanhBiasOp()
