@@ -9,9 +9,10 @@ with ``proj`` a biased Linear; running the Linear without its bias and then this
 makes the bias add and the activation one pass over the ``[tokens, ffn_dim]``
 activations instead of two. ``.to`` matters only for an fp32 bias with low-precision x.
 
-Paths: ``cpu`` (exact and fast: eager's ATen calls on row blocks that stay in cache,
-:mod:`ditops.kernels.cpu.gelu`), ``cuda``/``hip``/``xpu`` through one Triton pass
-(fast; exact runs native). Both propagate NaN and inf as the meaning does.
+Paths: ``cuda``/``hip``/``xpu`` through one Triton pass (fast; exact runs native; NaN and
+inf propagate as in the meaning). No CPU path: there the activation costs about 3x a copy
+(compute-bound), so blocking eager's two ATen calls to save a pass gained nothing
+(``benchmarks/cpu/probes/gelu.txt``): CPU runs the meaning.
 """
 
 from __future__ import annotations
@@ -61,13 +62,6 @@ class GeluTanhBiasOp(CustomOp):
     def forward_native(self, c: GeluCall) -> torch.Tensor:
         h = c.x if c.bias is None else (c.x + c.bias).to(c.x.dtype)
         return F.gelu(h, approximate="tanh")
-
-    @path(precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
-          propagates_non_finite=True)  # fmt: skip
-    def forward_cpu(self, c: GeluCall) -> torch.Tensor:
-        from ditops.kernels.cpu.gelu import gelu_tanh_bias
-
-        return gelu_tanh_bias(c.x, c.bias)
 
     @path("cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
           propagates_non_finite=True)  # fmt: skip
