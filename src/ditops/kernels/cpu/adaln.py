@@ -33,8 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
 from ditops.kernels.cpu.modulation import rows_per_block
-from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
 

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.kernels.cpu import blocks
-from ditops.kernels.cpu.row_blocks import Rows, per_token, walk_rows
+from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
@@ -173,28 +173,6 @@ def _ln_mod_block_exact(
     out.copy_(y)  # rounds to nearest even, as .to() does
 
 
-def _layer_norm_scale_shift_exact(
-    x: torch.Tensor,
-    weight: torch.Tensor | None,
-    bias: torch.Tensor | None,
-    scale: torch.Tensor | None,
-    shift: torch.Tensor | None,
-    eps: float,
-    out_dtype: torch.dtype,
-) -> torch.Tensor:
-    B, L, C = x.shape
-    step, piece = _plan(B, L, rows_per_block(C), 4 * C)
-    out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
-    mods = {**_scale_operands(scale, L), "shift": shift}
-    with blocks.scratch() as scratch:
-        bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in walk_rows(B, L, step, mods):
-            xc = x[b, l0:l1]
-            y_in = xc if xc.dtype == torch.float32 else bufs.get(0, l1 - l0).copy_(xc)
-            _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
-    return out
-
-
 def _gated_residual_exact(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None
 ) -> torch.Tensor:
@@ -209,8 +187,8 @@ def _gated_residual_exact(
     return out
 
 
-def _fused_exact(
-    residual: torch.Tensor,
+def _exact(
+    residual: torch.Tensor | None,
     x: torch.Tensor,
     gate: torch.Tensor | None,
     weight: torch.Tensor | None,
@@ -219,21 +197,28 @@ def _fused_exact(
     shift: torch.Tensor | None,
     eps: float,
     out_dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    B, L, C = residual.shape
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Exact mode of both norm ops; with ``residual`` None, the modulated norm of ``x`` alone."""
+    B, L, C = x.shape
     step, piece = _plan(B, L, rows_per_block(C), 4 * C)
     out = torch.empty((B, L, C), dtype=out_dtype, device=x.device)
-    new_res = torch.empty_like(residual, memory_format=torch.contiguous_format)
+    new_res = None
+    if residual is not None:
+        new_res = torch.empty_like(residual, memory_format=torch.contiguous_format)
     mods = {"gate": gate, **_scale_operands(scale, L), "shift": shift}
     with blocks.scratch() as scratch:
         bufs = _Buffers(scratch, min(step, L), C)
         for b, _, l0, l1, rows in walk_rows(B, L, step, mods):
-            acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
-            nr = new_res[b, l0:l1]
-            nr.copy_(acc)
-            if nr.dtype != torch.float32:
-                acc.copy_(nr)  # the norm reads the rounded residual, as eager does after type_as
-            _ln_mod_block_exact(acc, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
+            xc = x[b, l0:l1]
+            if residual is None or new_res is None:
+                y_in = xc if xc.dtype == torch.float32 else bufs.get(0, l1 - l0).copy_(xc)
+            else:
+                y_in = _gated_sum_exact(residual[b, l0:l1], xc, rows["gate"], bufs)
+                nr = new_res[b, l0:l1]
+                nr.copy_(y_in)
+                if nr.dtype != torch.float32:
+                    y_in.copy_(nr)  # the norm reads the rounded residual, as eager after type_as
+            _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
     return out, new_res
 
 
@@ -354,7 +339,7 @@ def layer_norm_scale_shift(
         return torch.empty(x.shape, dtype=out_dtype, device=x.device)
     if exact or out_dtype == torch.float32:
         # An fp32 output shows every reordering of fp32 math: fast gives the exact bits.
-        return _layer_norm_scale_shift_exact(x, weight, bias, scale, shift, eps, out_dtype)
+        return _exact(None, x, None, weight, bias, scale, shift, eps, out_dtype)[0]
     return _fast(None, x, None, weight, bias, scale, shift, eps, out_dtype)[0]
 
 
@@ -404,9 +389,8 @@ def scale_residual_layer_norm_scale_shift(
     if residual.numel() == 0:
         empty = torch.empty(residual.shape, dtype=out_dtype, device=residual.device)
         return empty, torch.empty(residual.shape, dtype=residual.dtype, device=residual.device)
-    if exact or out_dtype == torch.float32:
-        return _fused_exact(residual, x, gate, weight, bias, scale, shift, eps, out_dtype)
-    out, new_res = _fast(residual, x, gate, weight, bias, scale, shift, eps, out_dtype)
+    kernel = _exact if exact or out_dtype == torch.float32 else _fast
+    out, new_res = kernel(residual, x, gate, weight, bias, scale, shift, eps, out_dtype)
     assert new_res is not None
     return out, new_res
 
