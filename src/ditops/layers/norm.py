@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditops.core.checks import check_precision
-from ditops.core.paths import Decision
+from ditops.layers.op_layer import OpLayer
 from ditops.ops.layer_norm import fp32_layer_norm
 
 
-class FP32LayerNorm(nn.LayerNorm):
+class FP32LayerNorm(OpLayer, nn.LayerNorm):
     """LayerNorm computed in fp32 and returned in the input's dtype.
 
     Takes ``nn.LayerNorm``'s constructor arguments and state dict (``weight``/``bias``),
@@ -24,15 +23,8 @@ class FP32LayerNorm(nn.LayerNorm):
     module's; None follows ``DITOPS_PRECISION``.
     """
 
-    _precision: str | None = None  # a class default: norms swapped in place have none set
-
-    @property
-    def precision(self) -> str | None:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: str | None) -> None:
-        self._precision = check_precision(value, "FP32LayerNorm.precision")
+    op = fp32_layer_norm
+    layer_name = "FP32LayerNorm"
 
     def resolved_precision(self) -> str:
         """The precision in force for this module: its own, else the process setting."""
@@ -57,14 +49,3 @@ class FP32LayerNorm(nn.LayerNorm):
         return fp32_layer_norm.prepare(
             x, tuple(self.normalized_shape), self.weight, self.bias, self.eps
         )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return fp32_layer_norm.run(self._call(x), self._precision)
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The meaning, whatever the settings (for comparisons)."""
-        return fp32_layer_norm.forward_native(self._call(x))
-
-    def explain_call(self, x: torch.Tensor) -> Decision:
-        """The path :meth:`forward` would take for ``x``, with reasons."""
-        return fp32_layer_norm.explain_prepared(self._call(x), self._precision)

@@ -9,13 +9,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditops.core.checks import check_choice, check_precision
-from ditops.core.paths import Decision
+from ditops.core.checks import check_choice
+from ditops.layers.op_layer import OpLayer
 from ditops.ops.qk_norm_rope import rms_norm
 from ditops.ops.qk_norm_rope_args import CONVENTIONS, NormCall
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(OpLayer, nn.Module):
     """An RMSNorm over the last dim, in ``torch.nn.RMSNorm``'s or diffusers' arithmetic.
 
     Same state-dict key as both (``weight``). ``from_module`` converts a
@@ -23,6 +23,9 @@ class RMSNorm(nn.Module):
     (``"diffusers"``), sharing its parameter. ``precision`` (``"exact"``/``"fast"``/None)
     overrides the process setting for this module.
     """
+
+    op = rms_norm
+    layer_name = "RMSNorm"
 
     def __init__(
         self,
@@ -44,14 +47,6 @@ class RMSNorm(nn.Module):
             self.weight = nn.Parameter(torch.ones(self.dim, device=device, dtype=dtype))
         else:
             self.register_parameter("weight", None)
-
-    @property
-    def precision(self) -> str | None:
-        return self._precision
-
-    @precision.setter
-    def precision(self, value: str | None) -> None:
-        self._precision = check_precision(value, "RMSNorm.precision")
 
     @classmethod
     def from_module(cls, module: nn.Module, precision: str | None = None) -> RMSNorm:
@@ -87,17 +82,6 @@ class RMSNorm(nn.Module):
 
     def _call(self, x: torch.Tensor) -> NormCall:
         return rms_norm.prepare(x, self.weight, self.eps, self.convention)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm.run(self._call(x), self._precision)
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        """The meaning, whatever the settings (for comparisons)."""
-        return rms_norm.forward_native(self._call(x))
-
-    def explain_call(self, x: torch.Tensor) -> Decision:
-        """The path :meth:`forward` would take for ``x``, with reasons."""
-        return rms_norm.explain_prepared(self._call(x), self._precision)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, convention={self.convention!r}"
