@@ -133,6 +133,21 @@ def _check_residual_pair(residual: Tensor, x: Tensor, gate: Tensor | None) -> No
         _check_modulation("gate", gate, residual)
 
 
+def _check_norm_args(
+    h: Tensor,
+    weight: Tensor | None,
+    bias: Tensor | None,
+    scale: Tensor,
+    shift: Tensor,
+    out_dtype: torch.dtype | None,
+) -> None:
+    """The norm's arguments for the (already checked) activations ``h`` it normalises."""
+    check_affine(weight, bias, h.shape[-1], h.device)
+    _check_modulation("scale", scale, h)
+    _check_modulation("shift", shift, h)
+    _check_out_dtype(out_dtype)
+
+
 # ----------------------------------------------------------------------------------------
 # Launchers wrapped as custom ops (opaque to torch.compile)
 # ----------------------------------------------------------------------------------------
@@ -240,10 +255,7 @@ def layer_norm_scale_shift(
     (fp32 or low precision, used as fp32) are optional. ``out_dtype`` defaults to x's.
     """
     _check_activation("x", x)
-    check_affine(weight, bias, x.shape[-1], x.device)
-    _check_modulation("scale", scale, x)
-    _check_modulation("shift", shift, x)
-    _check_out_dtype(out_dtype)
+    _check_norm_args(x, weight, bias, scale, shift, out_dtype)
     return _layer_norm_scale_shift_op(x, weight, bias, scale, shift, float(eps), out_dtype)
 
 
@@ -276,10 +288,7 @@ def scale_residual_layer_norm_scale_shift(
     rounded to its dtype, as in Wan. ``out_dtype`` defaults to the residual's dtype.
     """
     _check_residual_pair(residual, x, gate)
-    check_affine(weight, bias, residual.shape[-1], residual.device)
-    _check_modulation("scale", scale, residual)
-    _check_modulation("shift", shift, residual)
-    _check_out_dtype(out_dtype)
+    _check_norm_args(residual, weight, bias, scale, shift, out_dtype)
     return _scale_residual_layer_norm_scale_shift_op(
         residual, x, gate, weight, bias, scale, shift, float(eps), out_dtype
     )
