@@ -30,7 +30,6 @@ relative L2; for the oracle mask too).
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Iterator
@@ -41,7 +40,7 @@ import torch.nn.functional as F
 
 from ditops.attention.block_mask import density_stats, num_blocks
 from ditops.attention.methods import DEFAULT_METHOD
-from ditops.bench.harness import Case, variants_by_case
+from ditops.bench.harness import Case, relative_error, variants_by_case
 from ditops.bench.suite import Suite
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
@@ -113,10 +112,6 @@ def _oracle_like(mass: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
     return (ranks < counts[..., None]).to(torch.int8)
 
 
-def _relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def quality(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,8 +152,8 @@ def quality(
         "mass_vs_oracle_worst_head": float(kept.min()),
         "mass_kept": float((mass * mask).sum() / mass.sum()),
         "oracle_mass_kept": float((mass * oracle).sum() / mass.sum()),
-        "rel_err": _relative_error(out, dense),
-        "oracle_rel_err": _relative_error(out_oracle, dense),
+        "rel_err": relative_error(out, dense),
+        "oracle_rel_err": relative_error(out_oracle, dense),
         "path_vs_native": float((out.float() - native.float()).abs().max() / v.abs().max()),
     }
 
@@ -297,39 +292,23 @@ def print_summary(summ: list[dict[str, Any]], out: Any = sys.stdout) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ditops.bench.attention``: speed and quality tables, targets checked."""
-    from ditops.bench.harness import machine_info, print_table, ratios, run_cases, write_json
-
-    parser = argparse.ArgumentParser(prog="python -m ditops.bench.attention")
-    parser.add_argument("--size", choices=("small", "full"), default="small")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, metavar="PATH")
-    parser.add_argument("--min-seconds", type=float, default=0.5)
-    parser.add_argument("--no-progress", action="store_true")
-    args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    results = list(
-        run_cases(
-            cases(device, args.size, getattr(torch, args.dtype)),
-            device,
-            n_steps=_steps(args.size),
-            desc="attention",
-            progress=not args.no_progress,
-            min_seconds=args.min_seconds,
-        )
+    from ditops.bench.harness import (
+        case_suite_parser,
+        print_table,
+        ratios,
+        run_suite_cases,
+        write_run_json,
     )
+
+    prog = "python -m ditops.bench.attention"
+    args = case_suite_parser(prog, ("small", "full")).parse_args(argv)
+    results = run_suite_cases(args, cases, _steps, "attention")
     rows = ratios(results)
     print_table(rows)
     summ = summary(rows)
     print_summary(summ)
     if args.json:
-        payload = {
-            "machine": machine_info(device),
-            "command": " ".join(["python -m ditops.bench.attention", *(argv or sys.argv[1:])]),
-            "rows": rows,
-            "summary": summ,
-        }
-        write_json(args.json, payload)
+        write_run_json(args.json, torch.device(args.device), prog, argv, rows=rows, summary=summ)
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

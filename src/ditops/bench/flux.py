@@ -26,14 +26,18 @@ of each kind. Keyword arguments of :func:`run` override the config.
 
 from __future__ import annotations
 
-import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
-from ditops.bench.harness import sync, timed_forward
+from ditops.bench.harness import (
+    ModuleTimer,
+    build_seeded,
+    interleaved_forwards,
+    size_config,
+    timing_summary,
+)
 
 #: FLUX.1's structure; ``SIZES`` set the width and the token counts.
 BASE_CONFIG: dict[str, Any] = {
@@ -78,10 +82,7 @@ VARIANTS: tuple[tuple[str, str | None], ...] = (
 def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
     from diffusers import FluxTransformer2DModel
 
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = FluxTransformer2DModel(**config)
-    return model.to(dtype).eval()
+    return build_seeded(FluxTransformer2DModel, device, dtype, config)
 
 
 def make_inputs(
@@ -105,31 +106,10 @@ def make_inputs(
     }
 
 
-class _AttentionTimer:
+def attention_timer(model: Any, device: torch.device) -> ModuleTimer:
     """Seconds spent inside the model's attention modules during one forward."""
-
-    def __init__(self, model: Any, device: torch.device) -> None:
-        self.seconds = 0.0
-        self._handles: list[Any] = []
-        modules = [b.attn for b in model.transformer_blocks] + [
-            b.attn for b in model.single_transformer_blocks
-        ]
-        start = [0.0]
-
-        def pre(*_: Any) -> None:
-            sync(device)
-            start[0] = time.perf_counter()
-
-        def post(*_: Any) -> None:
-            sync(device)
-            self.seconds += time.perf_counter() - start[0]
-
-        for m in modules:
-            self._handles += [m.register_forward_pre_hook(pre), m.register_forward_hook(post)]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
+    blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
+    return ModuleTimer([b.attn for b in blocks], device)
 
 
 def run(
@@ -148,59 +128,33 @@ def run(
     ``rounds``, ``image_side`` (image tokens: its square) and ``text_tokens`` replace the
     size's; ``overrides`` replace entries of the model config (``num_layers=2``, ...).
     """
-    from ditops.bench.harness import Progress
     from ditops.integrations import patch, unpatch
 
-    if size not in SIZES:
-        raise ValueError(f"flux bench: size must be one of {sorted(SIZES)}, got {size!r}")
-    spec = SIZES[size]
-    config = {**BASE_CONFIG, **spec["config"], **overrides}
+    spec, config = size_config("flux", SIZES, size, BASE_CONFIG, overrides)
     rounds = spec["rounds"] if rounds is None else rounds
     side = spec["image_side"] if image_side is None else image_side
     n_text = spec["text_tokens"] if text_tokens is None else text_tokens
     model = build_model(device, dtype, **config)
     x = make_inputs(config, side, n_text, device, dtype)
-    times: dict[str, list[float]] = {name: [] for name, _ in VARIANTS}
-    attn_times: dict[str, list[float]] = {name: [] for name, _ in VARIANTS}
-    outputs: dict[str, torch.Tensor] = {}
-    bar = Progress(len(VARIANTS) * (rounds + 1), "flux", progress)
 
     def use(precision: str | None) -> None:
         unpatch(model)
         if precision is not None:
             patch(model, precision=precision)
 
-    try:
-        for name, precision in VARIANTS:  # untimed: first-touch allocations, plans
-            bar.step(f"{name} warm-up")
-            use(precision)
-            outputs[name] = timed_forward(model, x, device)[0]
-        for r in range(rounds):
-            for name, precision in VARIANTS:
-                bar.step(f"{name} round {r}")
-                use(precision)
-                timer = _AttentionTimer(model, device)
-                try:
-                    _, seconds = timed_forward(model, x, device)
-                finally:
-                    timer.remove()
-                times[name].append(seconds)
-                attn_times[name].append(timer.seconds)
-    finally:
-        bar.close()
-        unpatch(model)
+    outputs, times, timers = interleaved_forwards(
+        model, x, device, VARIANTS, use, rounds, lambda m: attention_timer(m, device),
+        desc="flux", progress=progress, reset=lambda: unpatch(model),
+    )  # fmt: skip
+    attn_times = {name: [t.seconds for t in ts] for name, ts in timers.items()}
     ref = outputs["unpatched"].double()
     peak = float(ref.abs().max()) or 1.0
     summary = []
     for name, _ in VARIANTS:
         diff = float((outputs[name].double() - ref).abs().max())
-        ratios = [u / t for u, t in zip(times["unpatched"], times[name])]
         summary.append(
             {
-                "variant": name,
-                "median_seconds": statistics.median(times[name]),
-                "median_attention_seconds": statistics.median(attn_times[name]),
-                "speedup": statistics.median(ratios),
+                **timing_summary(name, times, attn_times),
                 "max_abs": diff,
                 "max_rel": diff / peak,
                 "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),

@@ -26,12 +26,17 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 from typing import Any
 
 import torch
 
-from ditops.bench.harness import sync, timed_forward
+from ditops.bench.harness import (
+    ModuleTimer,
+    build_seeded,
+    interleaved_forwards,
+    size_config,
+    timing_summary,
+)
 
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 16,
@@ -82,10 +87,7 @@ def default_dtype(device: torch.device) -> torch.dtype:
 def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
     from diffusers import HunyuanVideoTransformer3DModel
 
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = HunyuanVideoTransformer3DModel(**config)
-    return model.to(dtype).eval()
+    return build_seeded(HunyuanVideoTransformer3DModel, device, dtype, config)
 
 
 def make_inputs(
@@ -110,7 +112,7 @@ def make_inputs(
     }
 
 
-class _Probe:
+class _Probe(ModuleTimer):
     """Seconds inside the attention modules and the densities of the estimated masks.
 
     ``modules``: the attention modules to time; None: every block's ``attn`` (HunyuanVideo).
@@ -119,17 +121,7 @@ class _Probe:
     def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
         from ditops.layers.attention import estimate_block_mask
 
-        self.seconds = 0.0
         self.densities: list[float] = []
-        start = [0.0]
-
-        def pre(*_: Any) -> None:
-            sync(device)
-            start[0] = time.perf_counter()
-
-        def post(*_: Any) -> None:
-            sync(device)
-            self.seconds += time.perf_counter() - start[0]
 
         def estimated(_m: Any, _a: Any, out: Any) -> None:
             mask, counts = out
@@ -138,16 +130,8 @@ class _Probe:
         if modules is None:
             blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
             modules = [b.attn for b in blocks]
-        self._handles = [
-            h
-            for m in modules
-            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
-        ]
+        super().__init__(modules, device)
         self._handles.append(estimate_block_mask.register_forward_hook(estimated))  # fmt: skip
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
 
 
 def run(
@@ -168,13 +152,10 @@ def run(
     ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
     entries of the model config.
     """
-    from ditops.bench.harness import Progress, drift
+    from ditops.bench.harness import drift
     from ditops.integrations import patch, unpatch
 
-    if size not in SIZES:
-        raise ValueError(f"hunyuan_video bench: size must be one of {sorted(SIZES)}, got {size!r}")
-    spec = SIZES[size]
-    config = {**BASE_CONFIG, **spec["config"], **overrides}
+    spec, config = size_config("hunyuan_video", SIZES, size, BASE_CONFIG, overrides)
     rounds = spec["rounds"] if rounds is None else rounds
     latent = spec["latent"] if latent is None else latent
     n_text = spec["text_tokens"] if text_tokens is None else text_tokens
@@ -182,37 +163,18 @@ def run(
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, n_text, device, dtype)
     variants = _variants(block_size)
-    times: dict[str, list[float]] = {name: [] for name, _ in variants}
-    attn: dict[str, list[float]] = {name: [] for name, _ in variants}
-    densities: dict[str, list[float]] = {name: [] for name, _ in variants}
-    outputs: dict[str, torch.Tensor] = {}
-    bar = Progress(len(variants) * (rounds + 1), "hunyuan_video", progress)
 
     def use(options: dict[str, Any]) -> None:
         unpatch(model)
         if options:
             patch(model, precision="exact", **options)
 
-    try:
-        for name, options in variants:  # untimed: first-touch allocations, plans
-            bar.step(f"{name} warm-up")
-            use(options)
-            outputs[name] = timed_forward(model, x, device)[0]
-        for r in range(rounds):
-            for name, options in variants:
-                bar.step(f"{name} round {r}")
-                use(options)
-                probe = _Probe(model, device)
-                try:
-                    _, seconds = timed_forward(model, x, device)
-                finally:
-                    probe.remove()
-                times[name].append(seconds)
-                attn[name].append(probe.seconds)
-                densities[name] += probe.densities
-    finally:
-        bar.close()
-        unpatch(model)
+    outputs, times, probes = interleaved_forwards(
+        model, x, device, variants, use, rounds, lambda m: _Probe(m, device),
+        desc="hunyuan_video", progress=progress, reset=lambda: unpatch(model),
+    )  # fmt: skip
+    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
+    densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
     peak = float(outputs["unpatched"].double().abs().max()) or 1.0
     summary = []
     for name, options in variants:
@@ -220,12 +182,7 @@ def run(
         cfg = options.get("attention")
         summary.append(
             {
-                "variant": name,
-                "median_seconds": statistics.median(times[name]),
-                "median_attention_seconds": statistics.median(attn[name]),
-                "speedup": statistics.median(
-                    u / t for u, t in zip(times["unpatched"], times[name])
-                ),
+                **timing_summary(name, times, attn),
                 "attention_speedup": statistics.median(
                     u / t for u, t in zip(attn["unpatched"], attn[name])
                 ),

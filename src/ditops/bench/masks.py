@@ -25,7 +25,6 @@ density, one line per method.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from collections.abc import Iterator, Sequence
@@ -221,38 +220,20 @@ def plot(summ: list[dict[str, Any]], path: str) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ditops.bench.masks``: the table (and ``--plot``, ``--json``)."""
-    from ditops.bench.harness import machine_info, ratios, run_cases, write_json
+    from ditops.bench.harness import case_suite_parser, ratios, run_suite_cases, write_run_json
 
-    parser = argparse.ArgumentParser(prog="python -m ditops.bench.masks")
-    parser.add_argument("--size", choices=tuple(SIZES), default="small")
-    parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--json", default=None, metavar="PATH")
+    prog = "python -m ditops.bench.masks"
+    parser = case_suite_parser(prog, SIZES)
     parser.add_argument("--plot", default=None, metavar="PNG")
-    parser.add_argument("--min-seconds", type=float, default=0.5)
-    parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
-    device = torch.device(args.device)
-    results = run_cases(
-        cases(device, args.size, getattr(torch, args.dtype)),
-        device,
-        n_steps=_steps(args.size),
-        desc="masks",
-        progress=not args.no_progress,
-        min_seconds=args.min_seconds,
-    )
+    results = run_suite_cases(args, cases, _steps, "masks")
     summ = summary(ratios(list(results)))
     print_summary(summ)
     if args.plot:
         plot(summ, args.plot)
         print(f"wrote {args.plot}", file=sys.stderr)
     if args.json:
-        payload = {
-            "machine": machine_info(device),
-            "command": " ".join(["python -m ditops.bench.masks", *(argv or sys.argv[1:])]),
-            "summary": summ,
-        }
-        write_json(args.json, payload)
+        write_run_json(args.json, torch.device(args.device), prog, argv, summary=summ)
     return 0
 
 

@@ -212,7 +212,7 @@ def interleaved_rows(results: list[Result]) -> list[dict[str, Any]]:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m ditops.bench.qk_norm_rope``: the suite timed interleaved, targets checked."""
-    from ditops.bench.harness import machine_info, print_table, write_json
+    from ditops.bench.harness import print_table, write_run_json
 
     parser = argparse.ArgumentParser(prog="python -m ditops.bench.qk_norm_rope")
     parser.add_argument("--size", choices=("small", "full"), default="small")
@@ -231,14 +231,11 @@ def main(argv: list[str] | None = None) -> int:
     summ = summary(rows)
     print_summary(summ)
     if args.json:
-        payload = {
-            "machine": machine_info(device),
-            "command": " ".join(["python -m ditops.bench.qk_norm_rope", *(argv or sys.argv[1:])]),
-            "timing": "interleaved rounds; ratios are medians of per-round ratios",
-            "rows": rows,
-            "summary": summ,
-        }
-        write_json(args.json, payload)
+        write_run_json(
+            args.json, device, "python -m ditops.bench.qk_norm_rope", argv,
+            timing="interleaved rounds; ratios are medians of per-round ratios",
+            rows=rows, summary=summ,
+        )  # fmt: skip
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
+from ditops.bench.harness import relative_error
 
 HEAD_KINDS = ("spatial", "temporal", "mixed", "diffuse")
 #: Dims of q/k carrying the global tokens' shared direction.
@@ -224,10 +225,6 @@ class MaskQuality:
         return d
 
 
-def _rel(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).norm() / ref.float().norm())
-
-
 def mask_quality(
     mass: torch.Tensor,
     mask: torch.Tensor,
@@ -268,7 +265,7 @@ def mask_quality(
         mass_vs_head=float(mine.sum() / by_head.sum()),
         worst_head_vs_row=float((mine / by_row).min()),
         worst_head_vs_head=float((mine / by_head).min()),
-        rel_err=_rel(attend(m), dense),
-        row_oracle_err=_rel(attend(row), dense),
-        head_oracle_err=_rel(attend(head), dense),
+        rel_err=relative_error(attend(m), dense),
+        row_oracle_err=relative_error(attend(row), dense),
+        head_oracle_err=relative_error(attend(head), dense),
     )

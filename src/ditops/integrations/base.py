@@ -276,6 +276,18 @@ def is_plain_layer_norm(m: object) -> bool:
     return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
 
 
+def _on_original(name: str) -> property:
+    """An attribute read from and written to the wrapped ``original`` (None while unset)."""
+
+    def get(self: WrappingProcessor) -> Any:
+        return getattr(self.original, name, None)
+
+    def set(self: WrappingProcessor, value: Any) -> None:
+        setattr(self.original, name, value)
+
+    return property(get, set)
+
+
 class WrappingProcessor:
     """Base of the attention processors ditops installs over diffusers' own (``original``).
 
@@ -290,21 +302,25 @@ class WrappingProcessor:
     def __init__(self, original: Any) -> None:
         self.original = original
 
-    @property
-    def _parallel_config(self) -> Any:
-        return getattr(self.original, "_parallel_config", None)
+    _parallel_config = _on_original("_parallel_config")
+    _attention_backend = _on_original("_attention_backend")
 
-    @_parallel_config.setter
-    def _parallel_config(self, value: Any) -> None:
-        self.original._parallel_config = value
+    def _dispatch_dense(self, query: Any, key: Any, value: Any, attention_mask: Any = None) -> Any:
+        """Dense attention as diffusers' Wan and HunyuanVideo processors call it:
+        ``dispatch_attention_fn`` with the wrapped processor's backend and context-parallel
+        config (diffusers' own exchange, if any)."""
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
 
-    @property
-    def _attention_backend(self) -> Any:
-        return getattr(self.original, "_attention_backend", None)
-
-    @_attention_backend.setter
-    def _attention_backend(self, value: Any) -> None:
-        self.original._attention_backend = value
+        return dispatch_attention_fn(
+            query,
+            key,
+            value,
+            attn_mask=attention_mask,
+            dropout_p=0.0,
+            is_causal=False,
+            backend=self._attention_backend,
+            parallel_config=self._parallel_config,
+        )
 
 
 def register_like(ours: type, theirs: type) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 from ditops.integrations.base import WrappingProcessor
 from ditops.integrations.guard import Bypass
 
@@ -36,20 +37,8 @@ def _prologue_bypass(attn: nn.Module) -> Bypass:
 # --- the ops of one patched model ------------------------------------------------------------
 
 
-class FluxOps:
-    """One set of op instances per patched model, carrying its precision (a plain object:
-    it deep-copies and pickles with the model)."""
-
-    def __init__(self, precision: str | None) -> None:
-        from ditops.ops import modulation_model_dtype as adaln
-        from ditops.ops import qk_norm_rope
-
-        self.modulate = adaln.AdaLNModulateOp()
-        self.residual = adaln.AdaLNResidualOp()
-        self.residual_modulate = adaln.AdaLNResidualModulateOp()
-        self.qk = qk_norm_rope.QKNormRopeOp()
-        for op in (self.modulate, self.residual, self.residual_modulate, self.qk):
-            op.precision = precision
+class FluxOps(AdaLNOps):
+    """One set of op instances per patched FLUX model (:class:`~.adaln_zero.AdaLNOps`)."""
 
 
 def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
@@ -57,11 +46,6 @@ def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
     if h.dtype == torch.float16:
         return h.clip(-FP16_MAX, FP16_MAX)
     return h
-
-
-def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
-    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
-    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
 
 
 def double_block_forward(
@@ -78,14 +62,8 @@ def double_block_forward(
     Installed through :func:`~ditops.integrations.guard.install_guarded`: it runs only
     while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
     """
-    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
-    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
-        block.norm1_context, temb, 6
-    )
-    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
-    c_n = ops.modulate(
-        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
-    )
+    n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
+    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
     outputs = block.attn(
         hidden_states=n,
         encoder_hidden_states=c_n,
@@ -102,20 +80,13 @@ def double_block_forward(
             f"FluxTransformerBlock: the attention processor returned {len(outputs)} outputs; "
             "expected 2 (image, text) or 3 (with IP-Adapter's)"
         )
-    n, hidden_states = ops.residual_modulate(
-        hidden_states, attn_output, gate.unsqueeze(1),
-        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
-    )  # fmt: skip
-    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
+    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
     if ip_attn_output is not None:
         hidden_states = hidden_states + ip_attn_output
-    c_n, encoder_hidden_states = ops.residual_modulate(
-        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
-        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
+    encoder_hidden_states = mlp_half(
+        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        block.ff_context,
     )  # fmt: skip
-    encoder_hidden_states = ops.residual(
-        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
-    )
     return _clip_fp16(encoder_hidden_states), hidden_states
 
 
@@ -132,8 +103,7 @@ def single_block_forward(
     :mod:`ditops.integrations.flux`)."""
     text_seq_len = encoder_hidden_states.shape[1]
     residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = _ada_emb(block.norm, temb, 3)
-    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
+    n, (_, _, gate) = ada_modulate(ops, block.norm, residual, temb, 3)
     mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
     attn_output = block.attn(
         hidden_states=n, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})

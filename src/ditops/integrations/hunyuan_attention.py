@@ -42,26 +42,43 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations.adaln_zero import AdaLNOps
 from ditops.integrations.base import WrappingProcessor
 from ditops.integrations.guard import Bypass
-from ditops.integrations.steps import StepState
+from ditops.integrations.steps import StepState, runs_dense
 
 
-class HunyuanOps:
-    """One set of op instances per patched model, carrying its precision (a plain object:
-    it deep-copies and pickles with the model)."""
+class HunyuanOps(AdaLNOps):
+    """One set of op instances per patched HunyuanVideo model: the adaLN ops and
+    ``qk_norm_rope`` (:class:`~.adaln_zero.AdaLNOps`), and ``rms_norm`` for the text rows."""
 
     def __init__(self, precision: str | None) -> None:
-        from ditops.ops import modulation_model_dtype as adaln
         from ditops.ops import qk_norm_rope
 
-        self.modulate = adaln.AdaLNModulateOp()
-        self.residual = adaln.AdaLNResidualOp()
-        self.residual_modulate = adaln.AdaLNResidualModulateOp()
-        self.qk = qk_norm_rope.QKNormRopeOp()
+        super().__init__(precision)
         self.rms = qk_norm_rope.RMSNormOp()
-        for op in (self.modulate, self.residual, self.residual_modulate, self.qk, self.rms):
-            op.precision = precision
+        self.rms.precision = precision
+
+
+def single_stream_branches(
+    block: nn.Module,
+    n: torch.Tensor,
+    text: int,
+    attention_mask: torch.Tensor | None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None,
+) -> torch.Tensor:
+    """A HunyuanVideo single-stream block between its modulation ``n`` (``[video, text]``
+    rows) and its gated residual: the attention over the video and text rows and the MLP
+    branch, projected together by ``proj_out`` (diffusers' operations)."""
+    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n[:, :-text],
+        encoder_hidden_states=n[:, -text:],
+        attention_mask=attention_mask,
+        image_rotary_emb=image_rotary_emb,
+    )
+    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
+    return block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
 
 
 @functools.cache
@@ -133,12 +150,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         return self.ops
 
     def _dense_now(self) -> bool:
-        if self.sparse is None or self.steps is None:
-            return True
-        step = self.steps.current()
-        if step is None and self.sparse.config.skip_first_steps > 0:
-            return True  # step unknown: never sparse by accident
-        return bool(self.sparse.config.dense_at(step))
+        return runs_dense(self.sparse, self.steps)
 
     def __call__(
         self,
@@ -167,18 +179,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         if self.text_mask:  # HunyuanVideo-1.5: the processor makes the [B, 1, N, N] mask
             attention_mask = _self_attention_mask(given, *query.shape[:2])
         if dense:
-            from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-            out = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            out = self._dispatch_dense(query, key, value, attention_mask)
         else:
             batch, n = query.shape[:2]
             if self.text_mask:

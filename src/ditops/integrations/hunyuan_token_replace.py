@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.hunyuan_attention import HunyuanOps
+from ditops.integrations.adaln_zero import ada_modulate, mlp_half
+from ditops.integrations.hunyuan_attention import HunyuanOps, single_stream_branches
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
@@ -65,16 +66,12 @@ def token_replace_double_forward(
         block.norm1, temb, token_replace_emb, 6
     )
     tr_shift, tr_scale, tr_gate, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = tr
-    c_emb = block.norm1_context.linear(block.norm1_context.silu(temb)).chunk(6, dim=1)
-    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = c_emb
     n0 = num_tokens
     eps1 = block.norm1.norm.eps
     n = _split(ops.modulate, n0, (hidden_states,),
                ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
                eps1)  # fmt: skip
-    c_n = ops.modulate(
-        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
-    )
+    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
     attn_output, context_attn_output = block.attn(
         hidden_states=n,
         encoder_hidden_states=c_n,
@@ -88,16 +85,13 @@ def token_replace_double_forward(
          (tr_shift_mlp[:, None], shift_mlp[:, None])),
         block.norm2.eps,
     )  # fmt: skip
-    c_n, encoder_hidden_states = ops.residual_modulate(
-        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
-        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
-    )  # fmt: skip
     ff = block.ff(n)
     hidden_states = _split(ops.residual, n0, (hidden_states, ff),
                            ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),))  # fmt: skip
-    encoder_hidden_states = ops.residual(
-        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
-    )
+    encoder_hidden_states = mlp_half(
+        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        block.ff_context,
+    )  # fmt: skip
     return hidden_states, encoder_hidden_states
 
 
@@ -121,15 +115,7 @@ def token_replace_single_forward(
     n = _split(ops.modulate, num_tokens, (residual,),
                ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
                block.norm.norm.eps)  # fmt: skip
-    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
-    attn_output, context_attn_output = block.attn(
-        hidden_states=n[:, :-text],
-        encoder_hidden_states=n[:, -text:],
-        attention_mask=attention_mask,
-        image_rotary_emb=image_rotary_emb,
-    )
-    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
-    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
     hidden_states = _split(ops.residual, num_tokens, (residual, out),
                            ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),))  # fmt: skip
     return hidden_states[:, :-text], hidden_states[:, -text:]

@@ -50,6 +50,7 @@ import torch
 from torch import nn
 
 from ditops.integrations import hunyuan_token_replace as token_replace
+from ditops.integrations.adaln_zero import ada_modulate, mlp_half
 from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
@@ -65,6 +66,7 @@ from ditops.integrations.hunyuan_attention import (
     HunyuanVideo15AttnProcessor,
     HunyuanVideoAttnProcessor,
     attention_problems,
+    single_stream_branches,
 )
 from ditops.integrations.steps import StepState, track_steps
 
@@ -106,11 +108,6 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
 # --- the fused forwards -------------------------------------------------------------------------
 
 
-def _ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
-    # AdaLayerNormZero(Single)'s projection of the conditioning, the same operations.
-    return norm.linear(norm.silu(temb)).chunk(chunks, dim=1)
-
-
 def double_block_forward(
     block: nn.Module,
     ops: HunyuanOps,
@@ -128,32 +125,19 @@ def double_block_forward(
     the block gets a partial bound to the copy and its own ops. Like diffusers', it
     ignores the token-replace arguments the model passes every block.
     """
-    shift, scale, gate, shift_mlp, scale_mlp, gate_mlp = _ada_emb(block.norm1, temb, 6)
-    c_shift, c_scale, c_gate, c_shift_mlp, c_scale_mlp, c_gate_mlp = _ada_emb(
-        block.norm1_context, temb, 6
-    )
-    n = ops.modulate(hidden_states, scale[:, None], shift[:, None], block.norm1.norm.eps)
-    c_n = ops.modulate(
-        encoder_hidden_states, c_scale[:, None], c_shift[:, None], block.norm1_context.norm.eps
-    )
+    n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
+    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
     attn_output, context_attn_output = block.attn(
         hidden_states=n,
         encoder_hidden_states=c_n,
         attention_mask=attention_mask,
         image_rotary_emb=freqs_cis,
     )
-    n, hidden_states = ops.residual_modulate(
-        hidden_states, attn_output, gate.unsqueeze(1),
-        scale_mlp[:, None], shift_mlp[:, None], block.norm2.eps,
+    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
+    encoder_hidden_states = mlp_half(
+        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        block.ff_context,
     )  # fmt: skip
-    c_n, encoder_hidden_states = ops.residual_modulate(
-        encoder_hidden_states, context_attn_output, c_gate.unsqueeze(1),
-        c_scale_mlp[:, None], c_shift_mlp[:, None], block.norm2_context.eps,
-    )  # fmt: skip
-    hidden_states = ops.residual(hidden_states, block.ff(n), gate_mlp.unsqueeze(1))
-    encoder_hidden_states = ops.residual(
-        encoder_hidden_states, block.ff_context(c_n), c_gate_mlp.unsqueeze(1)
-    )
     return hidden_states, encoder_hidden_states
 
 
@@ -171,17 +155,8 @@ def single_block_forward(
     """``HunyuanVideoSingleTransformerBlock.forward`` on ditops' ops (module docstring)."""
     text = encoder_hidden_states.shape[1]
     residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-    shift, scale, gate = _ada_emb(block.norm, temb, 3)
-    n = ops.modulate(residual, scale[:, None], shift[:, None], block.norm.norm.eps)
-    mlp_hidden_states = block.act_mlp(block.proj_mlp(n))
-    attn_output, context_attn_output = block.attn(
-        hidden_states=n[:, :-text],
-        encoder_hidden_states=n[:, -text:],
-        attention_mask=attention_mask,
-        image_rotary_emb=image_rotary_emb,
-    )
-    attn_output = torch.cat([attn_output, context_attn_output], dim=1)
-    out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
+    n, (_, _, gate) = ada_modulate(ops, block.norm, residual, temb, 3)
+    out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
     hidden_states = ops.residual(residual, out, gate.unsqueeze(1))
     return hidden_states[:, :-text], hidden_states[:, -text:]
 
@@ -385,21 +360,29 @@ def apply_plan(
 
 class HunyuanVideoFamily:
     """diffusers' ``HunyuanVideoTransformer3DModel``: fused adaLN chain and attention
-    prologue, optional block-sparse video self-attention."""
+    prologue, optional block-sparse video self-attention. HunyuanVideo-1.5's family is this
+    one with its own model class, spec and text mask (``hunyuan_video15``)."""
 
     name = "hunyuan_video"
+    #: the model's class name, and a block list only that model holds
+    model_class = "HunyuanVideoTransformer3DModel"
+    blocks_attr = "single_transformer_blocks"
+    #: the processors' mask (see :class:`HunyuanVideoAttnProcessor`)
+    text_mask = False
+
+    @staticmethod
+    def spec() -> Spec:
+        return _spec()
 
     def recognise(self, model: nn.Module) -> bool:
-        return type(model).__name__ == "HunyuanVideoTransformer3DModel" and hasattr(
-            model, "single_transformer_blocks"
-        )
+        return type(model).__name__ == self.model_class and hasattr(model, self.blocks_attr)
 
     def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
         """Everything the patch relies on, checked before any change. Raises PatchError."""
-        return check_model(model, options, _spec())
+        return check_model(model, options, self.spec())
 
     def apply(
         self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
     ) -> None:
-        """Patch a checked HunyuanVideo model in place, recording every change on ``record``."""
-        apply_plan(model, plan, record, options)
+        """Patch a checked model of the family in place, recording every change on ``record``."""
+        apply_plan(model, plan, record, options, text_mask=self.text_mask)

@@ -23,10 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from torch import nn
-
-from ditops.integrations.base import PatchOptions, PatchRecord
-from ditops.integrations.hunyuan_video import HunyuanVideoPlan, Spec, apply_plan, check_model
+from ditops.integrations.hunyuan_video import HunyuanVideoFamily, Spec
 from ditops.integrations.hunyuan_video import relied_on as hunyuan_relied_on
 
 _DIFFUSERS_042 = "diffusers 0.42"
@@ -66,23 +63,16 @@ def _spec() -> Spec:
     )
 
 
-class HunyuanVideo15Family:
+class HunyuanVideo15Family(HunyuanVideoFamily):
     """diffusers' ``HunyuanVideo15Transformer3DModel``: fused adaLN chain and attention
-    prologue, optional block-sparse video self-attention."""
+    prologue, optional block-sparse video self-attention (HunyuanVideo's family, with
+    HunyuanVideo-1.5's model class, blocks and ``[B, text]`` text mask)."""
 
     name = "hunyuan_video15"
+    model_class = "HunyuanVideo15Transformer3DModel"
+    blocks_attr = "transformer_blocks"
+    text_mask = True
 
-    def recognise(self, model: nn.Module) -> bool:
-        return type(model).__name__ == "HunyuanVideo15Transformer3DModel" and hasattr(
-            model, "transformer_blocks"
-        )
-
-    def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
-        """Everything the patch relies on, checked before any change. Raises PatchError."""
-        return check_model(model, options, _spec())
-
-    def apply(
-        self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
-    ) -> None:
-        """Patch a checked HunyuanVideo-1.5 model in place, recording every change."""
-        apply_plan(model, plan, record, options, text_mask=True)
+    @staticmethod
+    def spec() -> Spec:
+        return _spec()

@@ -180,3 +180,16 @@ def set_step(model: nn.Module, step: int | None) -> None:
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or step < 0):
         raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
     state.manual = step
+
+
+def runs_dense(sparse: nn.Module | None, steps: StepState | None) -> bool:
+    """Whether an attention call now runs dense: no sparse attention or step state, a dense
+    step of ``sparse``'s schedule, or the step unknown while the schedule starts dense
+    (never sparse by accident)."""
+    if sparse is None or steps is None:
+        return True
+    cfg = sparse.config
+    step = steps.current()
+    if step is None and cfg.skip_first_steps > 0:
+        return True
+    return bool(cfg.dense_at(step))

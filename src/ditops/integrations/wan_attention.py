@@ -17,7 +17,7 @@ from torch import nn
 from ditops.integrations.base import WrappingProcessor
 from ditops.integrations.guard import Bypass
 from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
-from ditops.integrations.steps import StepState
+from ditops.integrations.steps import StepState, runs_dense
 
 logger = logging.getLogger("ditops")
 
@@ -88,13 +88,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
         self.prologue = prologue
 
     def _dense_now(self) -> bool:
-        if self.sparse is None or self.steps is None:
-            return True
-        cfg = self.sparse.config
-        step = self.steps.current()
-        if step is None and cfg.skip_first_steps > 0:
-            return True  # step unknown: never sparse by accident
-        return bool(cfg.dense_at(step))
+        return runs_dense(self.sparse, self.steps)
 
     def __call__(
         self,
@@ -133,18 +127,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
         query, key = self._norm_rope(attn, query, key, rotary_emb, prologue)
         value = value.unflatten(2, (attn.heads, -1))
         if not ours:  # dense, as WanAttnProcessor calls it (diffusers' exchange, if any)
-            from diffusers.models.attention_dispatch import dispatch_attention_fn
-
-            out = dispatch_attention_fn(
-                query,
-                key,
-                value,
-                attn_mask=attention_mask,
-                dropout_p=0.0,
-                is_causal=False,
-                backend=self._attention_backend,
-                parallel_config=self._parallel_config,
-            )
+            out = self._dispatch_dense(query, key, value, attention_mask)
         else:
             attend = self._dense if dense else self._sparse
             if cp is None:
