@@ -69,14 +69,10 @@ class Args(OpCall):
         return self.args[int(name)] if int(name) < len(self.args) else None
 
 
-_FIELDS: dict[type, tuple[str, ...]] = {}
-
-
-def _field_names(cls: type) -> tuple[str, ...]:
-    names = _FIELDS.get(cls)
-    if names is None:
-        names = _FIELDS[cls] = tuple(f.name for f in dataclasses.fields(cls))  # type: ignore[arg-type]
-    return names
+def _field_names(cls: type) -> Iterator[str]:
+    # The dataclass's own table, read as it is: torch.compile traces a class attribute's
+    # dict, not dataclasses.fields() of a class.
+    return iter(cls.__dataclass_fields__)  # type: ignore[attr-defined]
 
 
 def _tensors_in(value: Any) -> Iterator[torch.Tensor]:
