@@ -11,11 +11,6 @@ from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
 from ditops.integrations import PatchError, explain_patch, patch, set_step, unpatch
 from ditops.layers.adaln import adaln_modulate, adaln_residual, adaln_residual_modulate
-from ditops.layers.attention import (
-    BlockSparseAttention,
-    block_sparse_attention,
-    estimate_block_mask,
-)
 from ditops.layers.modulation import (
     LayerNormScaleShift,
     ScaleResidualLayerNormScaleShift,
@@ -25,6 +20,9 @@ from ditops.layers.modulation import (
 )
 from ditops.layers.norm import FP32LayerNorm
 from ditops.layers.qk_norm_rope import RMSNorm, qk_norm_rope, rms_norm, rotary_embedding
+from ditops.layers.sparse_attention import BlockSparseAttention
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
 __all__ = [

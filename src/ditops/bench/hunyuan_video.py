@@ -118,7 +118,7 @@ class _Probe:
 
     def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
         from ditops.bench.harness import _sync
-        from ditops.layers.attention import estimate_block_mask
+        from ditops.ops.estimate_block_mask import estimate_block_mask
 
         self.seconds = 0.0
         self.densities: list[float] = []

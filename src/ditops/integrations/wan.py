@@ -21,7 +21,7 @@ Self-attention (``attn1``) gets a processor of ditops' (:class:`WanSelfAttnProce
 wrapping diffusers' ``WanAttnProcessor``): with the fused blocks, ``norm_q``/``norm_k``
 and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precision);
 with ``attention=BlockSparseConfig(...)``, ditops'
-:class:`~ditops.layers.attention.BlockSparseAttention` runs on the sparse steps.
+:class:`~ditops.layers.sparse_attention.BlockSparseAttention` runs on the sparse steps.
 
 The derived models are recognised by what their code does, not by their names: a block
 is fused when the fingerprint of its class's forward is one this module has a fused twin
@@ -402,7 +402,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
     ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
     q and k across heads and the rotary embedding run as one op, on dense and sparse
     steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
-    :class:`~ditops.layers.attention.BlockSparseAttention`): block-sparse attention on the
+    :class:`~ditops.layers.sparse_attention.BlockSparseAttention`): block-sparse attention on the
     sparse denoising steps. Without a prologue, dense steps run the wrapped
     ``WanAttnProcessor`` itself; any call this processor was not written for
     (cross-attention, I2V's image keys, no rotary embedding) always does. A call with an
@@ -670,7 +670,7 @@ class WanFamily:
         for where, block, _kind in plan.blocks:
             sparse = prologue = None
             if options.attention is not None:
-                from ditops.layers.attention import BlockSparseAttention
+                from ditops.layers.sparse_attention import BlockSparseAttention
 
                 sparse = BlockSparseAttention(options.attention)
                 record.count("sparse self-attentions")
