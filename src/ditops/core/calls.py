@@ -14,6 +14,8 @@ from typing import Any
 
 import torch
 
+from ditops.tracing import trace_time_constant
+
 
 class OpCall:
     """Base of call records. ``exact``: the precision in force, set by the dispatcher
@@ -72,6 +74,7 @@ class Args(OpCall):
 _FIELDS: dict[type, tuple[str, ...]] = {}
 
 
+@trace_time_constant  # dynamo cannot trace dataclasses.fields on a class: run at trace time
 def _field_names(cls: type) -> tuple[str, ...]:
     names = _FIELDS.get(cls)
     if names is None:
