@@ -294,6 +294,20 @@ def test_npu_attention_matches_native(
     assert scale == pytest.approx(32**-0.5)
 
 
+@pytest.mark.parametrize("where", ["nan_q_row", "nan_k", "nan_v"])
+def test_npu_attention_mends_nan_on_the_device(on_npu, where: str, ditops_warnings) -> None:
+    # The NPU kernel runs on poisoned inputs too; NaN lands where the meaning has it. (The
+    # double reads values on the host, so no_host_reads is checked on cuda only.)
+    q, k, v = _poison(*qkv(4, 2, 1000, 32, torch.bfloat16), where)
+    mask, counts = random_mask(1, 4, 8, 8, seed=4, density=1.0)
+    with fake_attentions() as calls, torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+    want = native_attention(q, k, v, mask, counts)
+    assert len(calls.of("ada_block_sparse_attention")) == 1 and not ditops_warnings()
+    assert bool(want.isnan().any())
+    assert_same_non_finite(out, want, v)
+
+
 def test_npu_attention_prefers_the_new_name(on_npu) -> None:
     q, k, v = qkv(2, 2, 200, 32, torch.float16)
     mask, counts = random_mask(1, 2, 2, 2)
