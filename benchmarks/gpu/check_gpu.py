@@ -111,11 +111,9 @@ def layer_norm_section() -> None:
 
 
 def attention_section() -> None:
-    from ditops.layers.attention import (
-        block_sparse_attention,
-        dense_attention,
-        estimate_block_mask,
-    )
+    from ditops.layers.sparse_attention import dense_attention
+    from ditops.ops.block_sparse_attention import block_sparse_attention
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     sec: dict[str, Any] = {"agreement": {}, "speed": []}
     RESULT["attention"] = sec
@@ -128,7 +126,7 @@ def attention_section() -> None:
         mask = (torch.rand(1, 4, kvb, kvb, device="cuda") < 0.5).to(torch.int8)
         mask[..., 0] = 1
         counts = mask.sum(-1, dtype=torch.int32)
-        from ditops.layers.attention import BlockSparseAttentionOp
+        from ditops.ops.block_sparse_attention import BlockSparseAttentionOp
 
         op = BlockSparseAttentionOp()
         fast = op(q, k, v, mask, counts)

@@ -111,7 +111,7 @@ def mask_agreement(q, k, opts: dict[str, Any], dtype: torch.dtype) -> dict[str, 
     from tests.attention.estimate_ties import ATOL, near_tie_violations, rtol
 
     from ditops.attention.estimate import block_scores
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     kw = {"block_size": BLOCK, "stride": opts["stride"], "keep_ratio": opts["keep_ratio"],
           "threshold": opts["threshold"], "causal": opts["causal"]}  # fmt: skip
@@ -200,7 +200,7 @@ def agreement_section() -> None:
         guarded("agreement", f"masks {dtype} {opts}", masks)
 
     def nan() -> None:
-        from ditops.layers.attention import estimate_block_mask
+        from ditops.ops.estimate_block_mask import estimate_block_mask
 
         q, k = qk(8, 2, AGREE_S, bf16, seed=3)
         q[0, 1, AGREE_S // 3, 0] = float("nan")
@@ -239,7 +239,7 @@ def dense_fns(q, k, v) -> dict[str, Callable[[], Any]]:
 def cost_section() -> None:
     from ditops.attention.estimate import mask_from_scores
     from ditops.kernels.triton import estimate as tes
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     rows: list[dict[str, Any]] = []
     RESULT["cost"] = rows

@@ -17,7 +17,8 @@ from __future__ import annotations
 import torch
 
 from ditops.attention.block_mask import causal_candidates
-from ditops.attention.estimate import forced_block_mask, select_blocks, select_in_budget
+from ditops.attention.estimate import select_blocks
+from ditops.attention.selection import forced_block_mask, select_in_budget
 
 #: Unit roundoff of the 16-bit input dtypes.
 UNIT_ROUNDOFF = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}

@@ -16,23 +16,20 @@ import pytest
 import torch
 
 import ditops.attention.estimate as estimate_mod
+import ditops.attention.selection as selection_mod
 from ditops.attention.block_mask import causal_candidates, density_stats, row_counts
 from ditops.attention.estimate import (
-    block_budget,
     block_scores,
     estimate_block_mask_reference,
     force_dense_blocks,
-    forced_block_mask,
     mask_from_scores,
     select_blocks,
-    select_in_budget,
 )
 from ditops.attention.schedule import first_frame_dense_blocks
-from ditops.layers.attention import (
-    BlockSparseAttention,
-    block_sparse_attention,
-    estimate_block_mask,
-)
+from ditops.attention.selection import block_budget, forced_block_mask, select_in_budget
+from ditops.layers.sparse_attention import BlockSparseAttention
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 WAN_SMALL = (1, 16, 21, 32, 48)  # 8064 tokens
 WAN_480P = (1, 16, 21, 60, 104)  # 32760 tokens
@@ -40,7 +37,7 @@ WAN_480P = (1, 16, 21, 60, 104)  # 32760 tokens
 
 @pytest.fixture(autouse=True)
 def _fresh_warnings(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(estimate_mod, "_WARNED_FORCED_ONLY", set())
+    monkeypatch.setattr(selection_mod, "_WARNED_FORCED_ONLY", set())
 
 
 def wan_like_qk(latent: tuple[int, ...], heads: int = 2, dim: int = 8, seed: int = 0):
@@ -162,7 +159,7 @@ def test_realised_density_is_the_one_asked_for_at_every_step(sparsity: float) ->
             q, k = wan_like_qk(WAN_SMALL, seed=step)
             with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
                 # Only the mask matters here: skip the attention's work.
-                mp.setattr(block_sparse_attention, "dispatch", lambda q, *a, **kw: q)
+                mp.setattr(block_sparse_attention, "run", lambda call, *a, **kw: call.q)
                 layer(q, k, k, step=step)
     finally:
         handle.remove()

@@ -12,7 +12,7 @@ from ditops import config
 from ditops.attention.block_mask import row_counts
 from ditops.attention.estimate import block_scores
 from ditops.custom_op import reset_state
-from ditops.layers.attention import estimate_block_mask
+from ditops.ops.estimate_block_mask import estimate_block_mask
 from tests.attention.estimate_ties import ATOL, near_tie_violations, rtol
 
 SMALL = {"block_size": 32, "stride": 4}

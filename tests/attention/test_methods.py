@@ -6,16 +6,14 @@ import pytest
 import torch
 
 from ditops import config
-from ditops.attention.estimate import (
-    block_budget,
-    estimate_block_mask_reference,
-    forced_block_mask,
-)
+from ditops.attention.estimate import estimate_block_mask_reference
 from ditops.attention.methods import METHODS, sample_rows, sampled_block_scores
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.attention.selection import block_budget, forced_block_mask
 from ditops.bench.video_attention import exact_block_mass, video_attention
 from ditops.custom_op import reset_state
-from ditops.layers.attention import estimate_block_mask
+from ditops.ops.attention_npu import estimate_reasons
+from ditops.ops.estimate_block_mask import estimate_block_mask, triton_estimate_reasons
 
 SMALL = {"block_size": 32, "stride": 4}
 FLAGS = {"keep_sink": True, "keep_recent": True, "causal": False}
@@ -112,11 +110,12 @@ def test_bad_methods_are_refused_saying_what_is_valid() -> None:
 @pytest.mark.parametrize("kind", ["cuda", "npu"])
 def test_kernels_that_cannot_score_sampled_rows_say_so(kind: str) -> None:
     q, k = qk()
-    reasons = estimate_block_mask.fast_path_reasons(kind, q, k, method="sampled", **SMALL)
+    path_reasons = estimate_reasons if kind == "npu" else triton_estimate_reasons
+    reasons = path_reasons(estimate_block_mask.prepare(q, k, method="sampled", **SMALL))
     assert any("antidiagonal scores only" in r for r in reasons)
     if kind == "npu":
-        reasons = estimate_block_mask.fast_path_reasons(
-            kind, q, k, method="antidiagonal_head", **SMALL
+        reasons = path_reasons(
+            estimate_block_mask.prepare(q, k, method="antidiagonal_head", **SMALL)
         )
         assert any("budget per row only" in r for r in reasons)
 

@@ -16,7 +16,7 @@ import torch
 
 from ditops.backends import npu
 from ditops.cli import main
-from ditops.layers.attention import NPU_ATTENTION, NPU_ESTIMATE
+from ditops.ops.attention_npu import NPU_ATTENTION, NPU_ESTIMATE, inner_precise
 from tests.doubles.npu_attentions import fake_attentions
 from tests.doubles.npu_modules import (
     DocumentedContractError,
@@ -56,7 +56,7 @@ def test_legacy_package_under_the_old_op_name(on_npu: None) -> None:
     assert name == (
         "attentions: torch.ops.attentions.block_sparse_attention (sgl_kernel_npu: not installed)"
     )
-    assert npu.inner_precise(call, torch.float16) == 0
+    assert inner_precise(call, torch.float16) == 0
 
 
 def test_nothing_installed_reasons_name_both_packages_and_the_current_wheel(on_npu: None) -> None:
@@ -90,9 +90,9 @@ def test_inner_precise_per_package_and_dtype(on_npu: None) -> None:
         current = NPU_ATTENTION.resolved()
     with fake_attentions():
         legacy = NPU_ATTENTION.resolved()
-    assert npu.inner_precise(current, torch.float16) == 1
-    assert npu.inner_precise(current, torch.bfloat16) == 0
-    assert npu.inner_precise(legacy, torch.float16) == 0
+    assert inner_precise(current, torch.float16) == 1
+    assert inner_precise(current, torch.bfloat16) == 0
+    assert inner_precise(legacy, torch.float16) == 0
 
 
 # --- torch_npu --------------------------------------------------------------------------

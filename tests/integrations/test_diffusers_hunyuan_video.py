@@ -395,7 +395,7 @@ def _densities(calls: list) -> list[float]:
 
 @pytest.fixture
 def estimates() -> list:
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     calls: list = []
     hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))
@@ -441,7 +441,7 @@ def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
     text keys first and the padded ones left out give the unpatched model's attention
     (within fp32 attention's tolerance); padded text that changes changes nothing."""
     from ditops.attention.block_mask import num_blocks
-    from ditops.layers.attention import BlockSparseAttention
+    from ditops.layers.sparse_attention import BlockSparseAttention
 
     shapes = []
 

@@ -136,7 +136,7 @@ SPARSE_VIDEO = dict(frames=8, hw=8)  # 512 video tokens
 
 
 def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise() -> None:
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     calls: list = []
     hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))
@@ -168,7 +168,7 @@ def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
     of the video rows' keys, the text rows with their rows of the [N, N] mask, give the
     unpatched model's attention within fp32 attention's tolerance."""
     from ditops.attention.block_mask import num_blocks
-    from ditops.layers.attention import BlockSparseAttention
+    from ditops.layers.sparse_attention import BlockSparseAttention
 
     lengths = []
 

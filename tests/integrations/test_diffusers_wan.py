@@ -240,7 +240,7 @@ def test_masks_reused_per_layer_and_guidance_branch_in_a_pipeline_loop() -> None
     """estimate_every=2 in a loop like WanPipeline's: cond then uncond per step, inside
     cache_context; each layer and branch estimates at sparse steps 1 and 3 and reuses at
     2 and 4; the next pipeline call (step index back to 0) estimates again."""
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     model = tiny_wan(keep_fp32=False)
     cfg = BlockSparseConfig(

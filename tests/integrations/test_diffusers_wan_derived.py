@@ -202,7 +202,7 @@ def test_fast_precision_within_tolerance() -> None:
 
 @pytest.fixture
 def estimates() -> list:
-    from ditops.layers.attention import estimate_block_mask
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     calls: list = []
     hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))

@@ -14,7 +14,7 @@ import torch
 import ditops.kernels.cpu.block_sparse_attention as kernel
 from ditops.attention.block_mask import num_blocks
 from ditops.attention.layout import to_bnsd
-from ditops.layers.attention import block_sparse_attention
+from ditops.ops.block_sparse_attention import block_sparse_attention
 from tests.attention.helpers import dense_oracle, random_mask
 from tests.layers.test_attention import assert_attention_close, bsnd, native_attention, qkv
 

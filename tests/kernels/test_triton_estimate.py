@@ -22,7 +22,7 @@ from ditops.attention.block_mask import causal_candidates, row_counts
 from ditops.attention.estimate import block_scores as native_block_scores
 from ditops.custom_op import reset_state
 from ditops.kernels.triton import estimate as tes
-from ditops.layers.attention import estimate_block_mask
+from ditops.ops.estimate_block_mask import estimate_block_mask
 from tests.attention.estimate_ties import ATOL, near_tie_violations, rtol, scored_blocks
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32

@@ -27,15 +27,15 @@ from ditops import config
 from ditops.attention import BlockSparseConfig
 from ditops.attention.estimate import estimate_block_mask_reference
 from ditops.custom_op import BackendUnavailableError
-from ditops.layers.attention import (
+from ditops.layers.sparse_attention import BlockSparseAttention, dense_attention
+from ditops.ops.attention_npu import block_size_reasons, npu_in_budget_ratio
+from ditops.ops.block_sparse_attention import (
     ATTENTION_TOLERANCE,
     NPU_FP16_LOGIT_ATOL,
-    BlockSparseAttention,
+    BlockSparseAttentionOp,
     block_sparse_attention,
-    dense_attention,
-    estimate_block_mask,
-    npu_in_budget_ratio,
 )
+from ditops.ops.estimate_block_mask import estimate_block_mask
 from tests.attention.helpers import random_mask
 from tests.doubles.npu_attentions import Recorder, fake_attentions, no_attentions
 from tests.doubles.npu_sgl_kernel import (
@@ -113,6 +113,8 @@ def _poison(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, where: str):
         q[0, 1, 300] = float("nan")  # one query row
     elif where == "inf_k":
         k[0, 1, 700, 3] = float("inf")
+    elif where == "nan_k":
+        k[0, 1, 700, 3] = float("nan")
     elif where == "nan_v":
         v[0, 0, 5, 0] = float("nan")
     return q, k, v
@@ -129,21 +131,92 @@ def assert_same_non_finite(out: torch.Tensor, want: torch.Tensor, v: torch.Tenso
 
 
 @pytest.mark.parametrize("where", ["nan_q_row", "inf_k", "nan_v"])
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_nan_and_inf_propagate_as_in_the_meaning(kind: str, where: str) -> None:
+def test_nan_and_inf_propagate_as_in_the_meaning(where: str) -> None:
     # Regression: FlexAttention turned a NaN query row into zeros (the meaning and dense
-    # SDPA give NaN) and ignored an inf key.
+    # SDPA give NaN) and ignored an inf key. On CPU such a call runs the meaning.
     q, k, v = _poison(*qkv(**SHAPE_A), where)
     mask, counts = random_mask(1, 4, 8, 8, seed=1, density=1.0)
     want = native_attention(q, k, v, mask, counts)
     assert bool(want.isnan().any())
-    forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
-    with forced, torch.no_grad():
+    with torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts)
         decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
     assert any("NaN or inf" in r for r in decision.candidates[0].reasons)
     assert_same_non_finite(out, want, v)
+
+
+@contextlib.contextmanager
+def no_host_reads(monkeypatch: pytest.MonkeyPatch):
+    """Reading a tensor's value back to Python raises (on a GPU: a stall)."""
+
+    def refuse(*_a, **_kw):
+        raise AssertionError("a tensor value was read back to the host")
+
+    with monkeypatch.context() as mp:
+        for name in ("__bool__", "item", "tolist"):
+            mp.setattr(torch.Tensor, name, refuse)
+        yield
+
+
+def _blind_cuda_path(monkeypatch: pytest.MonkeyPatch, blind: bool) -> None:
+    """``blind``: the cuda path returns the clean inputs' result, as a kernel that drops
+    every NaN/inf would; else FlexAttention (on CPU tensors) runs."""
+    if not blind:
+        return
+
+    def clean_result(self, c):
+        clean = [torch.nan_to_num(t, nan=0.0, posinf=0.0, neginf=0.0) for t in (c.q, c.k, c.v)]
+        opts = {
+            "layout": c.layout,
+            "scale": c.scale,
+            "causal": c.causal,
+            "block_size": c.block_size,
+        }
+        return BlockSparseAttentionOp.forward_native(self, *clean, c.mask, c.counts, **opts)
+
+    monkeypatch.setattr(BlockSparseAttentionOp, "forward_cuda", clean_result)
+
+
+@pytest.mark.parametrize("blind", [True, False])
+@pytest.mark.parametrize(
+    "where, density",
+    [("nan_q_row", 1.0), ("nan_q_row", 0.5), ("nan_k", 1.0), ("nan_k", 0.5), ("nan_v", 1.0)],
+)
+def test_nan_is_mended_on_the_device_as_in_the_meaning(
+    monkeypatch: pytest.MonkeyPatch, where: str, density: float, blind: bool
+) -> None:
+    # An accelerator's call reads nothing back: the path runs and NaN is put, on the
+    # device, where the meaning has it (a NaN v spreads, in the meaning, to every row of
+    # its heads: with a sparse mask the mend follows the mask, so v is tested dense).
+    q, k, v = _poison(*qkv(**SHAPE_A), where)
+    mask, counts = random_mask(1, 4, 8, 8, seed=1, density=density)
+    want = native_attention(q, k, v, mask, counts)
+    assert bool(want.isnan().any()) and bool(want.isfinite().any())
+    _blind_cuda_path(monkeypatch, blind)
+    with ditops.force_device_kind({"cpu": "cuda"}), torch.no_grad():
+        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        with no_host_reads(monkeypatch):
+            out = block_sparse_attention(q, k, v, mask, counts)
+            out_bsnd = block_sparse_attention(*bsnd(q, k, v), mask, counts, layout="BSND")
+    assert decision.chosen == "forward_cuda"
+    assert_same_non_finite(out, want, v)
+    assert_same_non_finite(out_bsnd.transpose(1, 2), want, v)
+    assert out_bsnd.is_contiguous()
+
+
+@pytest.mark.parametrize("blind", [True, False])
+def test_inf_is_mended_loudly_on_the_device(monkeypatch: pytest.MonkeyPatch, blind: bool) -> None:
+    # inf: NaN wherever the meaning is non-finite, and also where it stays finite (a key
+    # whose score is -inf only drops out of the meaning's softmax): loud, never silent.
+    q, k, v = _poison(*qkv(**SHAPE_A), "inf_k")
+    mask, counts = random_mask(1, 4, 8, 8, seed=1)
+    want = native_attention(q, k, v, mask, counts)
+    _blind_cuda_path(monkeypatch, blind)
+    with ditops.force_device_kind({"cpu": "cuda"}), torch.no_grad(), no_host_reads(monkeypatch):
+        out = block_sparse_attention(q, k, v, mask, counts)
+    assert not bool((~want.isfinite() & out.isfinite()).any())
+    assert bool((~out.isfinite() & want.isfinite()).any())  # the loud part
 
 
 def test_nan_propagates_inside_a_compiled_graph() -> None:
@@ -219,6 +292,20 @@ def test_npu_attention_matches_native(
     assert m.dtype == torch.int8 and c.dtype == torch.int32 and torch.equal(c, counts)
     assert (lay, size, heads, kv_heads, causal, precise) == (layout, 128, 4, 2, True, 0)
     assert scale == pytest.approx(32**-0.5)
+
+
+@pytest.mark.parametrize("where", ["nan_q_row", "nan_k", "nan_v"])
+def test_npu_attention_mends_nan_on_the_device(on_npu, where: str, ditops_warnings) -> None:
+    # The NPU kernel runs on poisoned inputs too; NaN lands where the meaning has it. (The
+    # double reads values on the host, so no_host_reads is checked on cuda only.)
+    q, k, v = _poison(*qkv(4, 2, 1000, 32, torch.bfloat16), where)
+    mask, counts = random_mask(1, 4, 8, 8, seed=4, density=1.0)
+    with fake_attentions() as calls, torch.no_grad():
+        out = block_sparse_attention(q, k, v, mask, counts)
+    want = native_attention(q, k, v, mask, counts)
+    assert len(calls.of("ada_block_sparse_attention")) == 1 and not ditops_warnings()
+    assert bool(want.isnan().any())
+    assert_same_non_finite(out, want, v)
 
 
 def test_npu_attention_prefers_the_new_name(on_npu) -> None:
@@ -570,12 +657,18 @@ def test_npu_estimate_ineligible_calls_run_native(
     on_npu, package: str, kw: dict, reason: str, ditops_warnings
 ) -> None:
     q, k = integer_qk(2, 2, 300)
+    if kw["block_size"] % kw["stride"]:
+        # The op itself refuses it (a call is prepared before any path is explained); the
+        # NPU path's own limit says the same.
+        with pytest.raises(ValueError, match="must be a multiple of stride"):
+            estimate_block_mask.explain_call(q, k, **kw)
+        assert any(reason in r for r in block_size_reasons(kw["block_size"], kw["stride"]))
+        return
     with npu_package(package) as calls, torch.no_grad():
         decision = estimate_block_mask.explain_call(q, k, **kw)
-        if kw["block_size"] % kw["stride"] == 0:  # the op itself refuses the other
-            mask, counts = estimate_block_mask(q, k, **kw)
-            want = estimate_block_mask_reference(q, k, **kw)
-            assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
+        mask, counts = estimate_block_mask(q, k, **kw)
+        want = estimate_block_mask_reference(q, k, **kw)
+        assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
         # an eligible call afterwards still takes the kernel: nothing was given up
         estimate_block_mask(q, k, forced_blocks="on_top")
     assert decision.chosen == "forward_native"

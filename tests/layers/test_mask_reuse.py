@@ -16,12 +16,9 @@ import torch
 
 from ditops import config
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.layers.attention import (
-    MAX_MASK_BRANCHES,
-    BlockSparseAttention,
-    block_sparse_attention,
-    estimate_block_mask,
-)
+from ditops.layers.sparse_attention import MAX_MASK_BRANCHES, BlockSparseAttention
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 SMALL = {"block_size": 32, "stride": 4}
 

@@ -26,13 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from ditops.attention.estimate import (
-    block_budget,
-    block_scores,
-    forced_block_mask,
-    select_in_budget,
-)
+from ditops.attention.estimate import block_scores
 from ditops.attention.reference import block_sparse_attention_reference
+from ditops.attention.selection import block_budget, forced_block_mask, select_in_budget
 from ditops.bench.attention import exact_block_mass, video_qk
 
 FRAMES, HEIGHT, WIDTH, BLOCK, STRIDE = 21, 16, 24, 128, 8

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.bench.video_attention import video_attention
-from ditops.layers.attention import estimate_block_mask
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 METHODS = {
     "antidiagonal s8": {"method": "antidiagonal", "stride": 8},

@@ -14,10 +14,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ditops.attention.estimate import forced_block_mask
+from ditops.attention.selection import forced_block_mask
 from ditops.bench.masks import FLAGS, first_frame_blocks
 from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
-from ditops.layers.attention import estimate_block_mask
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 RUNS = [("sampled", 1), ("sampled", 2), ("sampled", 4), ("sampled", 8), ("sampled_head", 4),
         ("antidiagonal", 4), ("antidiagonal_head", 4)]  # fmt: skip

@@ -45,7 +45,8 @@ from ditops.attention.layout import to_bnsd
 from ditops.bench.attention import top_blocks_mask, video_qk
 from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention
 from ditops.kernels.flex_attention import flex_block_sparse_attention
-from ditops.layers.attention import block_sparse_attention, estimate_block_mask
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 BLOCK = 128
 

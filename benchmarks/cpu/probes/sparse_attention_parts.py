@@ -5,7 +5,9 @@ import time
 
 import torch
 
-from ditops.layers.attention import block_sparse_attention, dense_attention, estimate_block_mask
+from ditops.layers.sparse_attention import dense_attention
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 
 logging.basicConfig(level=logging.INFO)
 

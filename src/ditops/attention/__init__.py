@@ -1,7 +1,8 @@
 """Block-sparse attention building blocks: masks, estimation, the reference, the schedule.
 
 Plain PyTorch, no dispatch: the ops and the layer that use these live in
-:mod:`ditops.layers.attention`.
+:mod:`ditops.ops.estimate_block_mask`, :mod:`ditops.ops.block_sparse_attention` and
+:mod:`ditops.layers.sparse_attention`.
 """
 
 from __future__ import annotations

@@ -68,398 +68,109 @@ per-row kernel (the NPU's) can follow them.
 
 from __future__ import annotations
 
-import logging
 import math
-from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import causal_candidates, num_blocks, row_counts
 from ditops.attention.layout import plan_chunks, to_bnsd
-from ditops.attention.methods import (
-    DEFAULT_SAMPLES,
-    METHODS,
-    OP_DEFAULT_METHOD,
-    sampled_block_scores,
-    select_per_head,
+from ditops.attention.methods import sampled_block_scores
+from ditops.attention.selection import (
+    BlockSelection,
+    candidate_blocks,
+    mask_without_scores,
+    select_in_budget,
+    selection_of,
 )
 
 #: The top-k cap applies only to rows with at least this many candidate blocks.
 MIN_CANDIDATES_FOR_CAP = 10
 #: Kept: scored blocks above cut-off minus this (so ties at the cut-off are kept).
 CUTOFF_EPS = 1e-5
-#: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
-#: (ditops), or a per-row cap on scored blocks with forced blocks on top (sglang).
-FORCED_BLOCKS = ("in_budget", "on_top")
-
-logger = logging.getLogger("ditops")
 
 
 def estimate_block_mask_reference(
     q: torch.Tensor,
     k: torch.Tensor,
+    sel: BlockSelection | None = None,
     *,
     layout: str = "BNSD",
     block_size: int = 128,
     stride: int = 8,
     scale: float | None = None,
-    threshold: float = 1.0,
-    keep_ratio: float = 1.0,
-    keep_sink: bool = True,
-    keep_recent: bool = True,
-    causal: bool = False,
-    dense_blocks: int = 0,
-    forced_blocks: str = "in_budget",
-    method: str = OP_DEFAULT_METHOD,
-    samples: int = DEFAULT_SAMPLES,
+    **fields: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Estimate a block mask (see the module docstring for the algorithm).
 
     Args:
         q: queries ``[B, Nq, Sq, D]`` (``BNSD``) or ``[B, Sq, Nq, D]`` (``BSND``).
         k: keys, same layout, ``Nkv`` heads dividing ``Nq``.
+        sel: the selection (:class:`ditops.attention.selection.BlockSelection`: threshold,
+            keep_ratio and its reading, sink/recent/causal, first-frame blocks, method);
+            or give its fields as keyword arguments.
         scale: the attention softmax scale (default ``D ** -0.5``); scores use
             ``scale / stride``.
-        dense_blocks: the first ``dense_blocks`` block rows and columns are kept.
-        keep_ratio: ``"in_budget"``: the share of the block map kept, forced blocks
-            included; ``"on_top"``: sglang's per-row cap on scored blocks.
-        forced_blocks: which of those two readings (:data:`FORCED_BLOCKS`).
-        method: how blocks are scored and the budget spent
-            (:data:`ditops.attention.methods.METHODS`; the steps above are
-            ``"antidiagonal"``); ``samples``: query rows per block the sampled scores read.
 
     Returns:
         ``(mask, counts)``: int8 ``[B, Nq, Qb, KVb]`` and int32 ``[B, Nq, Qb]``.
 
-    Arguments are checked by the op (:func:`ditops.layers.attention.estimate_block_mask`).
+    Arguments are checked by the op (:data:`ditops.ops.estimate_block_mask.estimate_block_mask`).
     """
+    sel = selection_of(sel, fields)
     qb_, kb_ = to_bnsd(q, layout), to_bnsd(k, layout)
     if qb_.shape[2] == 0 or kb_.shape[2] == 0:
         q_blocks = num_blocks(int(qb_.shape[2]), block_size)
         kv_blocks = num_blocks(int(kb_.shape[2]), block_size)
         mask = torch.zeros(*qb_.shape[:2], q_blocks, kv_blocks, dtype=torch.int8, device=q.device)
         return mask, row_counts(mask)
-    selection = {
-        "threshold": threshold,
-        "keep_ratio": keep_ratio,
-        "keep_sink": keep_sink,
-        "keep_recent": keep_recent,
-        "causal": causal,
-        "dense_blocks": dense_blocks,
-        "forced_blocks": forced_blocks,
-    }
-    without = mask_without_scores(qb_, kb_, block_size=block_size, **selection)
+    without = mask_without_scores(qb_, kb_, sel, block_size=block_size)
     if without is not None:
         return without
     if scale is None:
         scale = int(qb_.shape[-1]) ** -0.5
-    kind, allocation = METHODS[method]
-    if kind == "sampled":
+    if sel.scoring == "sampled":
         scores = sampled_block_scores(
-            qb_, kb_, block_size=block_size, samples=samples, scale=scale, causal=causal
+            qb_, kb_, block_size=block_size, samples=sel.samples, scale=scale, causal=sel.causal
         )
     else:
         scores = block_scores(
             qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride,
-            causal=causal,
+            causal=sel.causal,
         )  # fmt: skip
-    return mask_from_scores(scores, allocation=allocation, **selection)
+    return mask_from_scores(scores, sel)
 
 
 def mask_from_scores(
     scores: torch.Tensor,
+    sel: BlockSelection | None = None,
     *,
-    threshold: float,
-    keep_ratio: float,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-    dense_blocks: int,
-    forced_blocks: str = "in_budget",
-    allocation: str = "row",
+    allocation: str | None = None,
+    **fields: Any,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Steps 4-6 and the first frame: ``(mask, counts)`` from fp32 block scores.
 
     Every path that computes the block scores itself (the Triton estimate) finishes
     here, so the selection has one definition. ``allocation``: ``"row"`` or ``"head"``
-    (:mod:`ditops.attention.methods`; ``"head"`` under the in-budget reading only).
+    (:mod:`ditops.attention.methods`; ``"head"`` under the in-budget reading only);
+    default: the selection's method's.
     """
-    if forced_blocks == "in_budget":
-        keep = select_in_budget(
-            scores,
-            threshold=threshold,
-            keep_ratio=keep_ratio,
-            keep_sink=keep_sink,
-            keep_recent=keep_recent,
-            causal=causal,
-            dense_blocks=dense_blocks,
-            allocation=allocation,
-        )
+    sel = selection_of(sel, fields)
+    if sel.in_budget:
+        keep = select_in_budget(scores, sel, allocation=allocation or sel.allocation)
         mask = keep.to(torch.int8)
         return mask, row_counts(mask)
-    _check_reading(forced_blocks)
     keep = select_blocks(
         scores,
-        threshold=threshold,
-        keep_ratio=keep_ratio,
-        keep_sink=keep_sink,
-        keep_recent=keep_recent,
-        causal=causal,
+        threshold=sel.threshold,
+        keep_ratio=sel.keep_ratio,
+        keep_sink=sel.keep_sink,
+        keep_recent=sel.keep_recent,
+        causal=sel.causal,
     )
-    mask = force_dense_blocks(keep, dense_blocks, causal=causal)
+    mask = force_dense_blocks(keep, sel.dense_blocks, causal=sel.causal)
     return mask, row_counts(mask)
-
-
-def _check_reading(forced_blocks: object) -> None:
-    if forced_blocks not in FORCED_BLOCKS:
-        raise ValueError(f"forced_blocks must be one of {FORCED_BLOCKS}, got {forced_blocks!r}")
-
-
-# --- the in-budget reading: what runs is what was asked for ----------------------------
-
-
-@dataclass(frozen=True)
-class BlockBudget:
-    """How ``keep_ratio`` of one head's block map splits (the same for every head).
-
-    ``candidates``: blocks of the map (the causal triangle's under ``causal``);
-    ``forced``: of those, the forced ones; ``total``: the budget,
-    ``round(keep_ratio * candidates)``; ``per_row``: scored blocks each query block row
-    keeps (all 0 when ``forced >= total``).
-    """
-
-    candidates: int
-    forced: int
-    total: int
-    per_row: tuple[int, ...]
-
-    @property
-    def forced_only(self) -> bool:
-        """The forced blocks alone take the whole budget (or more)."""
-        return self.forced >= self.total
-
-    @property
-    def density(self) -> float:
-        """The block density that runs: ``max(total, forced) / candidates``."""
-        return max(self.total, self.forced) / self.candidates if self.candidates else 0.0
-
-    @property
-    def min_density(self) -> float:
-        """The smallest density reachable: the forced blocks' share of the map."""
-        return self.forced / self.candidates if self.candidates else 0.0
-
-
-def _row_layout(
-    q_blocks: int,
-    kv_blocks: int,
-    *,
-    dense_blocks: int,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-) -> list[tuple[int, int]]:
-    """Per query block row: (candidates, forced blocks), in plain ints (no tensor reads,
-    so this runs at trace time under torch.compile). Mirrors :func:`forced_block_mask`."""
-    rows = []
-    for r in range(q_blocks):
-        n = min(r + 1, kv_blocks) if causal else kv_blocks
-        if r < dense_blocks or (causal and n <= 2):
-            rows.append((n, n))
-            continue
-        lo = min(dense_blocks, n)  # columns 0 .. lo-1 are the first frame's
-        forced = lo
-        if keep_sink and n > 0 and lo == 0:
-            forced, lo = 1, 1
-        if keep_recent and n - 1 >= lo:
-            forced += 1
-        rows.append((n, forced))
-    return rows
-
-
-def block_budget(
-    q_blocks: int,
-    kv_blocks: int,
-    *,
-    keep_ratio: float,
-    dense_blocks: int,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-) -> BlockBudget:
-    """Split ``keep_ratio`` of the block map over its rows (see the module docstring)."""
-    rows = _row_layout(
-        q_blocks,
-        kv_blocks,
-        dense_blocks=dense_blocks,
-        keep_sink=keep_sink,
-        keep_recent=keep_recent,
-        causal=causal,
-    )
-    candidates = sum(n for n, _ in rows)
-    forced = sum(f for _, f in rows)
-    total = math.floor(float(keep_ratio) * candidates + 0.5)
-    left = total - forced
-    if left <= 0:
-        return BlockBudget(candidates, forced, total, (0,) * q_blocks)
-    scorable = [n - f for n, f in rows]
-    pool = sum(scorable)  # >= left, as total <= candidates
-    per_row = [left * s // pool for s in scorable]
-    # Largest remainders get the blocks the floors left over (earlier rows first on ties).
-    spare = left - sum(per_row)
-    order = sorted(range(q_blocks), key=lambda r: (-((left * scorable[r]) % pool), r))
-    for r in order[:spare]:
-        per_row[r] += 1
-    return BlockBudget(candidates, forced, total, tuple(per_row))
-
-
-def candidate_blocks(
-    q_blocks: int, kv_blocks: int, *, causal: bool, device: torch.device | str | None = None
-) -> torch.Tensor:
-    """Bool ``[Qb, KVb]``: every block, or the causal triangle's."""
-    if causal:
-        return causal_candidates(q_blocks, kv_blocks, device)
-    return torch.ones(q_blocks, kv_blocks, dtype=torch.bool, device=device)
-
-
-def forced_block_mask(
-    q_blocks: int,
-    kv_blocks: int,
-    *,
-    dense_blocks: int,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-    device: torch.device | str | None = None,
-) -> torch.Tensor:
-    """Bool ``[Qb, KVb]``: the blocks the in-budget reading always keeps."""
-    rows = torch.arange(q_blocks, device=device)[:, None]
-    col = torch.arange(kv_blocks, device=device)[None, :]
-    cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=device)
-    n_cand = cand.sum(-1, keepdim=True)
-    forced = (rows < dense_blocks) | (col < dense_blocks)
-    if keep_sink:
-        forced |= col == 0
-    if keep_recent:
-        forced |= col == n_cand - 1
-    if causal:
-        forced |= n_cand <= 2
-    return forced & cand
-
-
-#: (shape, first frame, ratio, flags) already warned about: each warns once per process.
-_WARNED_FORCED_ONLY: set[tuple[object, ...]] = set()
-
-
-def _warn_forced_only(budget: BlockBudget, key: tuple[object, ...], keep_ratio: float) -> None:
-    # Dynamo cannot trace a logging call (a graph break, an error under fullgraph): a
-    # compiled call stays quiet and the first eager one warns.
-    if budget.forced <= budget.total or key in _WARNED_FORCED_ONLY:
-        return
-    if torch.compiler.is_compiling():
-        return
-    _WARNED_FORCED_ONLY.add(key)
-    q_blocks, kv_blocks, dense_blocks = key[:3]
-    logger.warning(
-        "ditops block-sparse attention: the forced blocks (first frame: %d block rows and "
-        "columns, sink, recent) are %.3f of the %dx%d block map, more than the density "
-        "asked for (%.3f = 1 - sparsity); running the forced blocks only. The smallest "
-        "density reachable at this shape is %.3f (sparsity %.3f).",
-        dense_blocks,
-        budget.min_density,
-        q_blocks,
-        kv_blocks,
-        keep_ratio,
-        budget.min_density,
-        1.0 - budget.min_density,
-    )
-
-
-def mask_without_scores(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    *,
-    block_size: int,
-    threshold: float,
-    keep_ratio: float,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-    dense_blocks: int,
-    forced_blocks: str,
-) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(mask, counts)`` when the in-budget selection needs no scores, else ``None``.
-
-    That is when the forced blocks take the whole budget (they alone run; warns once),
-    or when the budget is every candidate and no threshold can drop one. q/k as BNSD.
-    """
-    if forced_blocks != "in_budget":
-        return None
-    q_blocks = num_blocks(int(q.shape[2]), block_size)
-    kv_blocks = num_blocks(int(k.shape[2]), block_size)
-    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
-    budget = block_budget(
-        q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
-    )
-    if budget.forced_only:
-        _warn_forced_only(
-            budget, (q_blocks, kv_blocks, dense_blocks, keep_ratio, *flags.values()), keep_ratio
-        )
-        keep = forced_block_mask(
-            q_blocks, kv_blocks, dense_blocks=dense_blocks, device=q.device, **flags
-        )
-    elif budget.total == budget.candidates and threshold >= 1.0:
-        keep = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=q.device)
-    else:
-        return None
-    mask = keep.to(torch.int8).expand(int(q.shape[0]), int(q.shape[1]), -1, -1).contiguous()
-    return mask, row_counts(mask)
-
-
-def select_in_budget(
-    scores: torch.Tensor,
-    *,
-    threshold: float,
-    keep_ratio: float,
-    keep_sink: bool,
-    keep_recent: bool,
-    causal: bool,
-    dense_blocks: int,
-    allocation: str = "row",
-) -> torch.Tensor:
-    """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading):
-    the budget split over the rows (``allocation="row"``) or spent over each head's map
-    (``"head"``, :func:`ditops.attention.methods.select_per_head`)."""
-    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
-    dev = scores.device
-    flags = {"keep_sink": keep_sink, "keep_recent": keep_recent, "causal": causal}
-    budget = block_budget(
-        q_blocks, kv_blocks, keep_ratio=keep_ratio, dense_blocks=dense_blocks, **flags
-    )
-    forced = forced_block_mask(q_blocks, kv_blocks, dense_blocks=dense_blocks, device=dev, **flags)
-    if budget.forced_only:
-        _warn_forced_only(
-            budget, (q_blocks, kv_blocks, dense_blocks, keep_ratio, *flags.values()), keep_ratio
-        )
-        return forced.expand(scores.shape).clone()
-    cand = candidate_blocks(q_blocks, kv_blocks, causal=causal, device=dev)
-    scored = cand & ~forced
-    if allocation == "head":
-        return select_per_head(
-            scores, left=budget.total - budget.forced, forced=forced, scored=scored
-        )
-    # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
-    v = scores.masked_fill(~scored | scores.isnan(), -1.0)
-    order = v.argsort(dim=-1, descending=True, stable=True)
-    rank = torch.empty_like(order).scatter_(
-        -1, order, torch.arange(kv_blocks, device=dev).expand_as(order)
-    )
-    limit = torch.tensor(budget.per_row, dtype=torch.int64, device=dev)[:, None]
-    if threshold < 1.0:
-        ranked = v.gather(-1, order).clamp(min=0.0)
-        reached = ranked.cumsum(-1) < threshold * ranked.sum(-1, keepdim=True)
-        limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
-    return (scored & (v >= 0) & (rank < limit)) | forced
 
 
 def block_scores(

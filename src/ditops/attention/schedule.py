@@ -16,8 +16,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from ditops.attention.estimate import FORCED_BLOCKS
 from ditops.attention.methods import DEFAULT_METHOD, DEFAULT_SAMPLES, check_method
+from ditops.attention.selection import FORCED_BLOCKS
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -42,7 +42,7 @@ def _check_float(name: str, value: object) -> float:
 
 @dataclass(frozen=True)
 class BlockSparseConfig:
-    """Settings of :class:`ditops.layers.attention.BlockSparseAttention`.
+    """Settings of :class:`ditops.layers.sparse_attention.BlockSparseAttention`.
 
     Attributes:
         sparsity: share of the attention's blocks skipped, in ``[0, 1)`` (the density

@@ -23,15 +23,8 @@ it under "takes"), and its probe reasons say, per package, why nothing was found
 ``torch_npu`` functions (``torch_npu_op("npu_rms_norm")``). :data:`NPU_LAYER_NORM`
 chooses how to run an fp32-inside layer norm on the NPU.
 
-Per-call limits of the kernels (:func:`input_reasons`, :func:`block_size_reasons`,
-:func:`attention_kernel_reasons`) are checked before a call, so an input a kernel would
-reject runs ``forward_native`` with the reason in ``explain_call`` instead of failing
-inside the kernel (which would give up the fast path for the whole process). The
-limits are those the current package documents (block size a multiple of 128 in
-[128, 512], layouts BNSD/BSND/BSH, positive dims) plus two its tiling code enforces
-(head dim <= 512, at most 256 query heads).
-They apply to the legacy package too: it runs the same kernels without checking its
-arguments, and sizes outside these limits were never documented to work there.
+The per-call limits of the attention kernels are the NPU paths' reasons, next to them
+(:mod:`ditops.ops.attention_npu`).
 """
 
 from __future__ import annotations
@@ -379,59 +372,3 @@ class NpuLayerNorm(Backend):
 
 #: The layer norm of FP32LayerNorm and the modulation ops on the NPU.
 NPU_LAYER_NORM = NpuLayerNorm()
-
-
-# --- per-call limits of the attention kernels ----------------------------------------------
-
-#: Layouts the kernels take (TND is not exposed by the current package).
-KERNEL_LAYOUTS = ("BNSD", "BSND", "BSH")
-#: Block sizes: a multiple of 128 in [128, 512].
-BLOCK_SIZE_STEP, BLOCK_SIZE_MAX = 128, 512
-#: From the attention kernel's tiling: head dim <= 512, at most 256 query heads.
-MAX_HEAD_DIM, MAX_HEADS = 512, 256
-
-
-def block_size_reasons(block_size: int, stride: int | None = None) -> list[str]:
-    """Why the kernels cannot take this block size (and estimator stride)."""
-    reasons = []
-    if block_size % BLOCK_SIZE_STEP or not BLOCK_SIZE_STEP <= block_size <= BLOCK_SIZE_MAX:
-        reasons.append(
-            f"block_size {block_size}: the NPU kernels take a multiple of {BLOCK_SIZE_STEP} "
-            f"in [{BLOCK_SIZE_STEP}, {BLOCK_SIZE_MAX}]"
-        )
-    if stride is not None and (stride < 1 or block_size % stride):
-        reasons.append(f"stride {stride} does not divide block_size {block_size}")
-    return reasons
-
-
-def input_reasons(layout: str, *tensors: torch.Tensor) -> list[str]:
-    """Why the kernels cannot take inputs in ``layout`` with these shapes."""
-    reasons = []
-    if layout not in KERNEL_LAYOUTS:
-        reasons.append(f"layout {layout}: the NPU kernels take {'/'.join(KERNEL_LAYOUTS)}")
-    if any(t.numel() == 0 for t in tensors):
-        reasons.append("an empty input: the NPU kernels take positive dims only")
-    return reasons
-
-
-def attention_kernel_reasons(q: torch.Tensor, v: torch.Tensor) -> list[str]:
-    """Why ada_block_sparse_attention cannot take these [B, N, S, D] views of q and v."""
-    reasons = []
-    if q.shape[3] > MAX_HEAD_DIM:
-        reasons.append(f"head dim {q.shape[3]}: the NPU kernel takes at most {MAX_HEAD_DIM}")
-    if q.shape[1] > MAX_HEADS:
-        reasons.append(f"{q.shape[1]} query heads: the NPU kernel takes at most {MAX_HEADS}")
-    if v.shape[3] != q.shape[3]:
-        reasons.append(
-            f"v's head dim {v.shape[3]} differs from q's {q.shape[3]}: the NPU kernel "
-            "returns the query's shape"
-        )
-    return reasons
-
-
-def inner_precise(call: NpuCall, dtype: torch.dtype) -> int:
-    """``inner_precise`` for ada_block_sparse_attention: 0 (high precision) where the
-    package has it for ``dtype``, else 1 (high performance: fp16 on sgl_kernel_npu)."""
-    if dtype == torch.float16 and not call.package.fp16_high_precision:
-        return 1
-    return 0

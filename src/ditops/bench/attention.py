@@ -124,7 +124,8 @@ def quality(
     attention, and the error of the path that ran against ``forward_native`` (as a share
     of ``max|v|``: the correctness check of this device's fast path)."""
     from ditops.bench.harness import drift
-    from ditops.layers.attention import block_sparse_attention, estimate_block_mask
+    from ditops.ops.block_sparse_attention import block_sparse_attention
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     mass = exact_block_mass(q, k)
     with torch.inference_mode():
@@ -167,7 +168,8 @@ def _inputs(
 
 
 def cases(device: torch.device, size: str, dtype: torch.dtype = torch.bfloat16) -> Iterator[Case]:
-    from ditops.layers.attention import block_sparse_attention, estimate_block_mask
+    from ditops.ops.block_sparse_attention import block_sparse_attention
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     for shape in SHAPES[size]:
         q, k, v = _inputs(shape, device, dtype)

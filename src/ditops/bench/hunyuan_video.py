@@ -119,7 +119,7 @@ class _Probe(ModuleTimer):
     """
 
     def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
-        from ditops.layers.attention import estimate_block_mask
+        from ditops.ops.estimate_block_mask import estimate_block_mask
 
         self.densities: list[float] = []
 

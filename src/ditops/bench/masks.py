@@ -33,8 +33,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ditops.attention.estimate import forced_block_mask
 from ditops.attention.methods import DEFAULT_SAMPLES, METHODS
+from ditops.attention.selection import forced_block_mask
 from ditops.bench.harness import Case, variants_by_case
 from ditops.bench.suite import Suite
 from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
@@ -64,7 +64,8 @@ def cases_for(
 ) -> Iterator[Case]:
     """One case per (shape, keep): dense SDPA, then ``est <method>`` and ``attn <method>``
     for each method; the quality of each method's mask in the case's params."""
-    from ditops.layers.attention import block_sparse_attention, estimate_block_mask
+    from ditops.ops.block_sparse_attention import block_sparse_attention
+    from ditops.ops.estimate_block_mask import estimate_block_mask
 
     for shape in shapes:
         q, k, v = (t.to(device) for t in video_attention(*shape, heads=heads, dim=dim, dtype=dtype))

@@ -239,7 +239,7 @@ def mask_quality(
     """Score ``mask`` (``[B, H, Qb, KVb]``) on exact masses ``mass`` and on the output
     (``block_sparse_attention`` on fp32 copies: within 1e-5 of the meaning, so the
     roundings of a bf16 kernel play no part)."""
-    from ditops.layers.attention import block_sparse_attention
+    from ditops.ops.block_sparse_attention import block_sparse_attention
 
     kv = int(mass.shape[-1])
     m = mask[..., :kv].to(torch.int8)

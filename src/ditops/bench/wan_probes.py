@@ -83,7 +83,8 @@ class AttentionProbe:
         return call
 
     def __enter__(self) -> AttentionProbe:
-        from ditops.layers import attention as ops
+        from ditops.ops import block_sparse_attention as bsa
+        from ditops.ops import estimate_block_mask as ebm
 
         def enter(*_: Any) -> None:
             self._inside_self_attention += 1
@@ -108,18 +109,19 @@ class AttentionProbe:
             self.densities.append(float(args[3].float().mean()))
 
         # The ops are module instances: wrap their forward for this block only.
-        for op, add in ((ops.estimate_block_mask, add_estimate),
-                        (ops.block_sparse_attention, add_sparse)):  # fmt: skip
+        for op, add in ((ebm.estimate_block_mask, add_estimate),
+                        (bsa.block_sparse_attention, add_sparse)):  # fmt: skip
             op.forward = self._timed(type(op).forward.__get__(op), add)
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
         torch.nn.functional.scaled_dot_product_attention = self._timed(self._sdpa, add_dense)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        from ditops.layers import attention as ops
+        from ditops.ops import block_sparse_attention as bsa
+        from ditops.ops import estimate_block_mask as ebm
 
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
-        for op in (ops.estimate_block_mask, ops.block_sparse_attention):
+        for op in (ebm.estimate_block_mask, bsa.block_sparse_attention):
             del op.forward
         for h in self._handles:
             h.remove()

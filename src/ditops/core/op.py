@@ -146,7 +146,13 @@ class CustomOp(nn.Module):
                     setattr(cls, f"forward_{kind}", getattr(cls, spec.name))
         cls._by_kind = {k: tuple(v) for k, v in by_kind.items()}
         unguarded = [s.name for s in specs.values() if not s.propagates_non_finite]
-        del unguarded  # LEGACY: required once every op is converted
+        if cls.non_finite_inputs and unguarded and cls.mend_non_finite is CustomOp.mend_non_finite:
+            raise TypeError(
+                f"{cls.__name__} declares non_finite_inputs: define mend_non_finite(call, out) "
+                f"(on an accelerator {', '.join(unguarded)} run and it puts NaN where the "
+                "meaning has it; no value is read back), or mark the paths "
+                "propagates_non_finite=True"
+            )
 
     @property
     def precision(self) -> str | None:
@@ -238,11 +244,7 @@ class CustomOp(nn.Module):
         return self.run(Args(args, kwargs))
 
     def _mended(self, spec: PathSpec, kind: str, call: OpCall, out: Any) -> Any:
-        if (
-            kind != "cpu"
-            and self._guards(spec, kind)
-            and type(self).mend_non_finite is not CustomOp.mend_non_finite
-        ):
+        if kind != "cpu" and self._guards(spec, kind):
             return self.mend_non_finite(call, out)
         return out
 
@@ -284,7 +286,7 @@ class CustomOp(nn.Module):
             reasons.extend(spec.reasons(call))
         if (
             not reasons
-            and (kind == "cpu" or type(self).mend_non_finite is CustomOp.mend_non_finite)  # LEGACY
+            and kind == "cpu"  # elsewhere mend_non_finite, after the path: no host sync
             and self._guards(spec, kind)
             and not torch.compiler.is_compiling()  # traced: a torch.cond instead
             and not bool(finite(self._guarded(call)))
@@ -306,9 +308,7 @@ class CustomOp(nn.Module):
             if self._call_reasons(spec, kind, call):
                 continue
             call.exact = precision == "exact"
-            if (
-                kind != "cpu" and type(self).mend_non_finite is not CustomOp.mend_non_finite
-            ) or not self._guards(spec, kind):
+            if kind != "cpu" or not self._guards(spec, kind):
                 return self._mended(spec, kind, call, _runner(type(self), spec)(self, call))
             return self._cond_on_finite(spec, call)
         return _invoke(type(self)._native, self, call)  # type: ignore[arg-type]

@@ -345,7 +345,7 @@ def apply_plan(
         prologue = ops  # used per call while its q/k norms carry no hooks
         sparse = None
         if options.attention is not None:
-            from ditops.layers.attention import BlockSparseAttention
+            from ditops.layers.sparse_attention import BlockSparseAttention
 
             sparse = BlockSparseAttention(options.attention)
             record.count("sparse self-attentions")

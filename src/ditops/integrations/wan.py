@@ -22,7 +22,7 @@ Self-attention (``attn1``) gets a processor of ditops'
 wrapping diffusers' ``WanAttnProcessor``): with the fused blocks, ``norm_q``/``norm_k``
 and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precision);
 with ``attention=BlockSparseConfig(...)``, ditops'
-:class:`~ditops.layers.attention.BlockSparseAttention` runs on the sparse steps.
+:class:`~ditops.layers.sparse_attention.BlockSparseAttention` runs on the sparse steps.
 
 The derived models are recognised by what their code does, not by their names: a block
 is fused when the fingerprint of its class's forward is one this module has a fused twin
@@ -324,7 +324,7 @@ class WanFamily:
         for where, block, _kind in plan.blocks:
             sparse = prologue = None
             if options.attention is not None:
-                from ditops.layers.attention import BlockSparseAttention
+                from ditops.layers.sparse_attention import BlockSparseAttention
 
                 sparse = BlockSparseAttention(options.attention)
                 record.count("sparse self-attentions")

@@ -43,7 +43,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
     ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
     q and k across heads and the rotary embedding run as one op, on dense and sparse
     steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
-    :class:`~ditops.layers.attention.BlockSparseAttention`): block-sparse attention on the
+    :class:`~ditops.layers.sparse_attention.BlockSparseAttention`): block-sparse attention on the
     sparse denoising steps. Without a prologue, dense steps run the wrapped
     ``WanAttnProcessor`` itself; any call this processor was not written for
     (cross-attention, I2V's image keys, no rotary embedding) always does. A call with an

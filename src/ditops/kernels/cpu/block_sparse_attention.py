@@ -290,7 +290,9 @@ def _workspace(*wants: tuple[int, torch.dtype]) -> Iterator[list[torch.Tensor]]:
             if i == len(_kept):
                 _kept.append(torch.empty(0, dtype=dtype))
             kept = _kept[i]
-            if kept.dtype != dtype or kept.numel() < numel:
+            # One made under inference_mode cannot be written outside it: made afresh.
+            stale = kept.is_inference() and not torch.is_inference_mode_enabled()
+            if kept.dtype != dtype or kept.numel() < numel or stale:
                 _kept[i] = torch.empty(0)  # free the old one first
                 _kept[i] = torch.empty(numel, dtype=dtype)
         yield [_kept[i] for i in range(len(wants))]

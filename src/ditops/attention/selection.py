@@ -1,0 +1,323 @@
+"""Which blocks an estimate keeps: the selection settings and the in-budget reading.
+
+:class:`BlockSelection` is the one value the selection settings travel as (the op
+``estimate_block_mask``, its reference, every path and the budget below read it);
+validated once, when made. The in-budget reading (ditops' default, see
+:mod:`ditops.attention.estimate`) is here: the forced blocks, the budget split over the
+rows (:func:`block_budget`), the masks that need no scores (:func:`mask_without_scores`)
+and the selection from scores (:func:`select_in_budget`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import numbers
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ditops.attention.block_mask import causal_candidates, num_blocks, row_counts
+from ditops.attention.methods import (
+    DEFAULT_SAMPLES,
+    METHODS,
+    OP_DEFAULT_METHOD,
+    check_method,
+    select_per_head,
+)
+from ditops.core.checks import check_choice, check_flag, check_int
+
+#: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
+#: (ditops), or a per-row cap on scored blocks with forced blocks on top (sglang).
+FORCED_BLOCKS = ("in_budget", "on_top")
+
+logger = logging.getLogger("ditops")
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class BlockSelection:
+    """How an estimate selects blocks (see :mod:`ditops.attention.estimate`).
+
+    ``threshold`` > 0: cumulative score mass kept per row (>= 1 keeps all);
+    ``keep_ratio`` in (0, 1]: the share kept (read as ``forced_blocks`` says, one of
+    :data:`FORCED_BLOCKS`); ``keep_sink``/``keep_recent``: key block 0 / the last
+    candidate always kept; ``causal``: candidates up to the diagonal only;
+    ``dense_blocks`` >= 0: leading block rows and columns forced on (the first video
+    frame); ``method``/``samples``: how blocks are scored and the budget spent
+    (:data:`ditops.attention.methods.METHODS`). ``where``: the name errors start with.
+    """
+
+    threshold: float = 1.0
+    keep_ratio: float = 1.0
+    keep_sink: bool = True
+    keep_recent: bool = True
+    causal: bool = False
+    dense_blocks: int = 0
+    forced_blocks: str = "in_budget"
+    method: str = OP_DEFAULT_METHOD
+    samples: int = DEFAULT_SAMPLES
+    where: str = field(default="estimate_block_mask", compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        op = self.where
+        if not _is_number(self.threshold) or not self.threshold > 0:
+            raise ValueError(f"{op}: threshold must be a number > 0, got {self.threshold!r}")
+        if not _is_number(self.keep_ratio) or not 0 < self.keep_ratio <= 1:
+            raise ValueError(f"{op}: keep_ratio must be in (0, 1], got {self.keep_ratio!r}")
+        for name in ("keep_sink", "keep_recent", "causal"):
+            check_flag(op, name, getattr(self, name))
+        check_int(op, "dense_blocks", self.dense_blocks, minimum=0)
+        check_choice(op, "forced_blocks", self.forced_blocks, FORCED_BLOCKS)
+        object.__setattr__(self, "threshold", float(self.threshold))
+        object.__setattr__(self, "keep_ratio", float(self.keep_ratio))
+        check_method(
+            self.method,
+            self.samples,
+            forced_blocks=self.forced_blocks,
+            threshold=self.threshold,
+            where=op,
+        )
+
+    @property
+    def scoring(self) -> str:
+        """How the method scores blocks: ``"antidiagonal"`` or ``"sampled"``."""
+        return METHODS[self.method][0]
+
+    @property
+    def allocation(self) -> str:
+        """How the method spends the budget: ``"row"`` or ``"head"``."""
+        return METHODS[self.method][1]
+
+    @property
+    def in_budget(self) -> bool:
+        return self.forced_blocks == "in_budget"
+
+    def replace(self, **changes: Any) -> BlockSelection:
+        return dataclasses.replace(self, **changes)
+
+
+def selection_of(sel: BlockSelection | None, fields: dict[str, Any]) -> BlockSelection:
+    """``sel``, or one made of keyword ``fields`` (callers outside the op: tests,
+    benchmarks); not both."""
+    if sel is None:
+        return BlockSelection(**fields)
+    if fields:
+        raise TypeError(f"give a BlockSelection or its fields, not both (got {sorted(fields)})")
+    return sel
+
+
+# --- the in-budget reading: what runs is what was asked for ----------------------------
+
+
+@dataclass(frozen=True)
+class BlockBudget:
+    """How ``keep_ratio`` of one head's block map splits (the same for every head).
+
+    ``candidates``: blocks of the map (the causal triangle's under ``causal``);
+    ``forced``: of those, the forced ones; ``total``: the budget,
+    ``round(keep_ratio * candidates)``; ``per_row``: scored blocks each query block row
+    keeps (all 0 when ``forced >= total``).
+    """
+
+    candidates: int
+    forced: int
+    total: int
+    per_row: tuple[int, ...]
+
+    @property
+    def forced_only(self) -> bool:
+        """The forced blocks alone take the whole budget (or more)."""
+        return self.forced >= self.total
+
+    @property
+    def density(self) -> float:
+        """The block density that runs: ``max(total, forced) / candidates``."""
+        return max(self.total, self.forced) / self.candidates if self.candidates else 0.0
+
+    @property
+    def min_density(self) -> float:
+        """The smallest density reachable: the forced blocks' share of the map."""
+        return self.forced / self.candidates if self.candidates else 0.0
+
+
+def _row_layout(q_blocks: int, kv_blocks: int, sel: BlockSelection) -> list[tuple[int, int]]:
+    """Per query block row: (candidates, forced blocks), in plain ints (no tensor reads,
+    so this runs at trace time under torch.compile). Mirrors :func:`forced_block_mask`."""
+    rows = []
+    for r in range(q_blocks):
+        n = min(r + 1, kv_blocks) if sel.causal else kv_blocks
+        if r < sel.dense_blocks or (sel.causal and n <= 2):
+            rows.append((n, n))
+            continue
+        lo = min(sel.dense_blocks, n)  # columns 0 .. lo-1 are the first frame's
+        forced = lo
+        if sel.keep_sink and n > 0 and lo == 0:
+            forced, lo = 1, 1
+        if sel.keep_recent and n - 1 >= lo:
+            forced += 1
+        rows.append((n, forced))
+    return rows
+
+
+def block_budget(
+    q_blocks: int, kv_blocks: int, sel: BlockSelection | None = None, **fields: Any
+) -> BlockBudget:
+    """Split ``sel.keep_ratio`` of the block map over its rows (see
+    :mod:`ditops.attention.estimate`). ``fields``: see :func:`selection_of`."""
+    sel = selection_of(sel, fields)
+    rows = _row_layout(q_blocks, kv_blocks, sel)
+    candidates = sum(n for n, _ in rows)
+    forced = sum(f for _, f in rows)
+    total = math.floor(sel.keep_ratio * candidates + 0.5)
+    left = total - forced
+    if left <= 0:
+        return BlockBudget(candidates, forced, total, (0,) * q_blocks)
+    scorable = [n - f for n, f in rows]
+    pool = sum(scorable)  # >= left, as total <= candidates
+    per_row = [left * s // pool for s in scorable]
+    # Largest remainders get the blocks the floors left over (earlier rows first on ties).
+    spare = left - sum(per_row)
+    order = sorted(range(q_blocks), key=lambda r: (-((left * scorable[r]) % pool), r))
+    for r in order[:spare]:
+        per_row[r] += 1
+    return BlockBudget(candidates, forced, total, tuple(per_row))
+
+
+def candidate_blocks(
+    q_blocks: int, kv_blocks: int, *, causal: bool, device: torch.device | str | None = None
+) -> torch.Tensor:
+    """Bool ``[Qb, KVb]``: every block, or the causal triangle's."""
+    if causal:
+        return causal_candidates(q_blocks, kv_blocks, device)
+    return torch.ones(q_blocks, kv_blocks, dtype=torch.bool, device=device)
+
+
+def forced_block_mask(
+    q_blocks: int,
+    kv_blocks: int,
+    sel: BlockSelection | None = None,
+    *,
+    device: torch.device | str | None = None,
+    **fields: Any,
+) -> torch.Tensor:
+    """Bool ``[Qb, KVb]``: the blocks the in-budget reading always keeps."""
+    sel = selection_of(sel, fields)
+    rows = torch.arange(q_blocks, device=device)[:, None]
+    col = torch.arange(kv_blocks, device=device)[None, :]
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=device)
+    n_cand = cand.sum(-1, keepdim=True)
+    forced = (rows < sel.dense_blocks) | (col < sel.dense_blocks)
+    if sel.keep_sink:
+        forced |= col == 0
+    if sel.keep_recent:
+        forced |= col == n_cand - 1
+    if sel.causal:
+        forced |= n_cand <= 2
+    return forced & cand
+
+
+#: (shape, selection) already warned about: each warns once per process.
+_WARNED_FORCED_ONLY: set[tuple[object, ...]] = set()
+
+
+def _forced_only(
+    budget: BlockBudget, q_blocks: int, kv_blocks: int, sel: BlockSelection, device: Any
+) -> torch.Tensor:
+    """The forced blocks, which alone take the budget; warns once per shape and
+    selection when they are more than it."""
+    key = (q_blocks, kv_blocks, sel.dense_blocks, sel.keep_ratio, sel.keep_sink)
+    key += (sel.keep_recent, sel.causal)
+    # Dynamo cannot trace a logging call (a graph break, an error under fullgraph): a
+    # compiled call stays quiet and the first eager one warns.
+    if (
+        budget.forced > budget.total
+        and key not in _WARNED_FORCED_ONLY
+        and not torch.compiler.is_compiling()
+    ):
+        _WARNED_FORCED_ONLY.add(key)
+        logger.warning(
+            "ditops block-sparse attention: the forced blocks (first frame: %d block rows "
+            "and columns, sink, recent) are %.3f of the %dx%d block map, more than the "
+            "density asked for (%.3f = 1 - sparsity); running the forced blocks only. The "
+            "smallest density reachable at this shape is %.3f (sparsity %.3f).",
+            sel.dense_blocks,
+            budget.min_density,
+            q_blocks,
+            kv_blocks,
+            sel.keep_ratio,
+            budget.min_density,
+            1.0 - budget.min_density,
+        )
+    return forced_block_mask(q_blocks, kv_blocks, sel, device=device)
+
+
+def mask_without_scores(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    sel: BlockSelection | None = None,
+    *,
+    block_size: int,
+    **fields: Any,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(mask, counts)`` when the in-budget selection needs no scores, else ``None``.
+
+    That is when the forced blocks take the whole budget (they alone run; warns once),
+    or when the budget is every candidate and no threshold can drop one. q/k as BNSD.
+    """
+    sel = selection_of(sel, fields)
+    if not sel.in_budget:
+        return None
+    q_blocks = num_blocks(int(q.shape[2]), block_size)
+    kv_blocks = num_blocks(int(k.shape[2]), block_size)
+    budget = block_budget(q_blocks, kv_blocks, sel)
+    if budget.forced_only:
+        keep = _forced_only(budget, q_blocks, kv_blocks, sel, q.device)
+    elif budget.total == budget.candidates and sel.threshold >= 1.0:
+        keep = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=q.device)
+    else:
+        return None
+    mask = keep.to(torch.int8).expand(int(q.shape[0]), int(q.shape[1]), -1, -1).contiguous()
+    return mask, row_counts(mask)
+
+
+def select_in_budget(
+    scores: torch.Tensor,
+    sel: BlockSelection | None = None,
+    *,
+    allocation: str = "row",
+    **fields: Any,
+) -> torch.Tensor:
+    """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading):
+    the budget split over the rows (``allocation="row"``) or spent over each head's map
+    (``"head"``, :func:`ditops.attention.methods.select_per_head`)."""
+    sel = selection_of(sel, fields)
+    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
+    dev = scores.device
+    budget = block_budget(q_blocks, kv_blocks, sel)
+    forced = forced_block_mask(q_blocks, kv_blocks, sel, device=dev)
+    if budget.forced_only:
+        return _forced_only(budget, q_blocks, kv_blocks, sel, dev).expand(scores.shape).clone()
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
+    scored = cand & ~forced
+    if allocation == "head":
+        return select_per_head(
+            scores, left=budget.total - budget.forced, forced=forced, scored=scored
+        )
+    # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
+    v = scores.masked_fill(~scored | scores.isnan(), -1.0)
+    order = v.argsort(dim=-1, descending=True, stable=True)
+    rank = torch.empty_like(order).scatter_(
+        -1, order, torch.arange(kv_blocks, device=dev).expand_as(order)
+    )
+    limit = torch.tensor(budget.per_row, dtype=torch.int64, device=dev)[:, None]
+    if sel.threshold < 1.0:
+        ranked = v.gather(-1, order).clamp(min=0.0)
+        reached = ranked.cumsum(-1) < sel.threshold * ranked.sum(-1, keepdim=True)
+        limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
+    return (scored & (v >= 0) & (rank < limit)) | forced

@@ -1,0 +1,213 @@
+"""``estimate_block_mask(q, k, ...) -> (mask, counts)``: a block mask from q and k.
+
+Meaning (``forward_native``): the XAttention-style estimate of
+:func:`ditops.attention.estimate.estimate_block_mask_reference`; the selection settings
+travel as one :class:`ditops.attention.selection.BlockSelection`.
+
+Paths: ``cpu`` (bf16/fp16 on CPUs without AVX-512: the meaning's scores from fp32
+copies); ``cuda``/``hip``/``xpu`` through a Triton kernel for the block scores
+(:mod:`ditops.kernels.triton.estimate`) followed by the native selection
+(:func:`ditops.attention.estimate.mask_from_scores`); ``npu`` through sgl-kernel-npu's
+``sparse_block_estimate`` followed by the same first-frame forcing and count
+recomputation (:mod:`ditops.ops.attention_npu`).
+
+Precision: every path is ``fast`` only (``exact`` runs native): the NPU's fp16 block
+scores, or the Triton kernel's (within a few ulps of the input dtype of native's), may
+break near-ties differently.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ditops.attention.estimate import block_scores as native_block_scores
+from ditops.attention.estimate import estimate_block_mask_reference, mask_from_scores
+from ditops.attention.layout import to_bnsd
+from ditops.attention.methods import DEFAULT_SAMPLES, OP_DEFAULT_METHOD, sampled_block_scores
+from ditops.attention.selection import BlockSelection, mask_without_scores
+from ditops.backends.triton import TRITON
+from ditops.core.calls import OpCall
+from ditops.core.checks import FLOATS, HALF, check_int
+from ditops.core.op import CustomOp, register_op
+from ditops.core.paths import path
+from ditops.ops.attention_args import (
+    check_block_size,
+    check_heads,
+    check_layout,
+    check_qkv,
+    check_scale,
+    softmax_scale,
+)
+from ditops.ops.attention_npu import NPU_ESTIMATE, estimate_reasons, npu_estimate
+from ditops.platform import cpu_half_matmuls_slow
+
+#: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
+#: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
+TRITON_ESTIMATE_MAX_CELLS = 128
+
+
+@dataclass(slots=True)
+class EstimateCall(OpCall):
+    q: torch.Tensor  # as given, in ``layout``
+    k: torch.Tensor
+    qb: torch.Tensor  # BNSD views
+    kb: torch.Tensor
+    layout: str
+    block_size: int
+    stride: int
+    scale: float | None
+    sel: BlockSelection
+
+    def score_scale(self) -> float:
+        """Scores use ``scale / stride`` (``scale`` defaults to ``D ** -0.5``)."""
+        return softmax_scale(self.qb, self.scale) / self.stride
+
+
+def cpu_estimate_reasons(c: EstimateCall) -> list[str]:
+    if cpu_half_matmuls_slow() is None:
+        return [
+            "this CPU (AVX-512 or better) multiplies bf16/fp16 natively: the "
+            "meaning, in q's dtype, is the faster"
+        ]
+    return []
+
+
+def triton_estimate_reasons(c: EstimateCall) -> list[str]:
+    if c.sel.scoring != "antidiagonal":
+        return [
+            f"method {c.sel.method!r} scores sampled query rows; the Triton estimate computes "
+            "antidiagonal scores only (the meaning runs: plain torch on this device)"
+        ]
+    cells = c.block_size // c.stride
+    if cells > TRITON_ESTIMATE_MAX_CELLS:
+        return [
+            f"block_size / stride = {cells} strided rows per block; the Triton estimate "
+            f"takes at most {TRITON_ESTIMATE_MAX_CELLS}"
+        ]
+    return []
+
+
+@register_op("estimate_block_mask")
+class EstimateBlockMask(CustomOp):
+    """Estimate a block mask from q and k. Call as ``estimate_block_mask(q, k, ...)``."""
+
+    def prepare(  # type: ignore[override]
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        *,
+        layout: str = "BNSD",
+        block_size: int = 128,
+        stride: int = 8,
+        scale: float | None = None,
+        threshold: float = 1.0,
+        keep_ratio: float = 1.0,
+        keep_sink: bool = True,
+        keep_recent: bool = True,
+        causal: bool = False,
+        dense_blocks: int = 0,
+        forced_blocks: str = "in_budget",
+        method: str = OP_DEFAULT_METHOD,
+        samples: int = DEFAULT_SAMPLES,
+    ) -> EstimateCall:
+        """Returns int8 ``mask [B, Nq, Qb, KVb]`` and int32 ``counts [B, Nq, Qb]``.
+
+        ``keep_ratio`` in ``(0, 1]`` is the share of the block map kept per head, forced
+        blocks included (``forced_blocks="in_budget"``), or sglang's reading
+        (``"on_top"``): a cap on the kept share of scored blocks per row (rows of 10 or
+        more candidates) with sink, recent and first-frame blocks on top.
+        ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
+        ``dense_blocks`` >= 0 leading block rows and columns are forced on (the first
+        video frame). ``method``: how blocks are scored and the budget spent (one of
+        :data:`ditops.attention.methods.METHODS`, default ``"antidiagonal"``, the
+        XAttention estimate); ``samples``: query rows per block of the sampled scores.
+        See :mod:`ditops.attention.estimate` and :mod:`ditops.attention.methods`.
+        """
+        op = "estimate_block_mask"
+        check_qkv(op, ("q", "k"), (q, k))
+        layout = check_layout(op, layout)
+        qb, kb = to_bnsd(q, layout), to_bnsd(k, layout)
+        check_heads(op, qb, kb)
+        block_size = check_block_size(op, block_size)
+        stride = check_int(op, "stride", stride)
+        if block_size % stride:
+            raise ValueError(
+                f"{op}: block_size ({block_size}) must be a multiple of stride ({stride})"
+            )
+        scale = check_scale(op, scale)
+        sel = BlockSelection(
+            threshold=threshold,
+            keep_ratio=keep_ratio,
+            keep_sink=keep_sink,
+            keep_recent=keep_recent,
+            causal=causal,
+            dense_blocks=dense_blocks,
+            forced_blocks=forced_blocks,
+            method=method,
+            samples=samples,
+            where=op,
+        )
+        return EstimateCall(q, k, qb, kb, layout, block_size, stride, scale, sel)
+
+    def answer_without_paths(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Forced blocks alone fill the budget, or it is everything: no scores, on any path."""
+        if c.qb.shape[2] and c.kb.shape[2]:
+            return mask_without_scores(c.qb, c.kb, c.sel, block_size=c.block_size)
+        return None
+
+    def not_supported(self, c: EstimateCall) -> list[str]:
+        if c.qb.shape[2] == 0 or c.kb.shape[2] == 0:
+            return ["empty sequence: nothing to compute"]
+        return []
+
+    def forward_native(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return estimate_block_mask_reference(
+            c.q, c.k, c.sel, layout=c.layout, block_size=c.block_size, stride=c.stride,
+            scale=c.scale,
+        )  # fmt: skip
+
+    @path(dtypes=HALF, inference_only=True, reasons=cpu_estimate_reasons)
+    def forward_cpu(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """The meaning's block scores computed from fp32 copies of q and k, then its
+        selection: for CPUs without AVX-512, whose bf16/fp16 matmuls take a fallback
+        several times slower than fp32 (measured in benchmarks/cpu/probes/estimate_cost.py).
+        Scores differ from the meaning's by its roundings (of q * scale, the scores and
+        the probabilities to q's dtype): masks agree except at near-ties, as the Triton
+        estimate's do. Both methods' scores (antidiagonal, sampled)."""
+        sel = c.sel
+        if sel.scoring == "sampled":  # converts the sampled rows and each head's keys only
+            scores = sampled_block_scores(
+                c.qb, c.kb, block_size=c.block_size, samples=sel.samples, causal=sel.causal,
+                scale=c.score_scale() * c.stride, compute_dtype=torch.float32,
+            )  # fmt: skip
+        else:
+            scores = native_block_scores(
+                c.qb.float(), c.kb.float(), block_size=c.block_size, stride=c.stride,
+                score_scale=c.score_scale(), causal=sel.causal,
+            )  # fmt: skip
+        return mask_from_scores(scores, sel)
+
+    @path(
+        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        reasons=triton_estimate_reasons,
+    )  # fmt: skip
+    def forward_cuda(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
+        """Block scores from the Triton kernel (antidiagonal methods only), then the
+        native selection."""
+        from ditops.kernels.triton.estimate import block_scores
+
+        scores = block_scores(
+            c.qb, c.kb, block_size=c.block_size, stride=c.stride, score_scale=c.score_scale(),
+            causal=c.sel.causal,
+        )  # fmt: skip
+        return mask_from_scores(scores, c.sel)
+
+    @path(backend=NPU_ESTIMATE, dtypes=HALF, inference_only=True, reasons=estimate_reasons)
+    def forward_npu(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
+        return npu_estimate(c)
+
+
+#: ``estimate_block_mask(q, k, *, layout, block_size, stride, scale, threshold, ...)``
+estimate_block_mask = EstimateBlockMask()
