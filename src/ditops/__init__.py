@@ -10,12 +10,12 @@ from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
 from ditops.integrations import PatchError, explain_patch, patch, set_step, unpatch
-from ditops.layers.sparse_attention import BlockSparseAttention
-from ditops.ops.block_sparse_attention import block_sparse_attention
-from ditops.ops.estimate_block_mask import estimate_block_mask
 from ditops.layers.modulation import LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ditops.layers.norm import FP32LayerNorm
 from ditops.layers.rms_norm import RMSNorm
+from ditops.layers.sparse_attention import BlockSparseAttention
+from ditops.ops.block_sparse_attention import block_sparse_attention
+from ditops.ops.estimate_block_mask import estimate_block_mask
 from ditops.ops.gelu import gelu_tanh_bias
 from ditops.ops.modulation_fp32 import (
     gated_residual,

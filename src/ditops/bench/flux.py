@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from ditops.bench.harness import (
+from ditops.bench.model_runs import (
     ModuleTimer,
     build_seeded,
     interleaved_forwards,

@@ -24,7 +24,7 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, TextIO
 
@@ -61,132 +61,6 @@ class Result:
     @property
     def gbps(self) -> float:
         return self.bytes_moved / self.median_s / 1e9 if self.bytes_moved and self.median_s else 0.0
-
-
-def timed_forward(
-    model: Any, x: dict[str, torch.Tensor], device: torch.device
-) -> tuple[Any, float]:
-    """One ``model(**x)`` forward (inference mode) and its seconds, the device synchronised."""
-    with torch.inference_mode():
-        sync(device)
-        t0 = time.perf_counter()
-        out = model(**x, return_dict=False)[0]
-        sync(device)
-        return out, time.perf_counter() - t0
-
-
-def size_config(
-    suite: str,
-    sizes: dict[str, dict[str, Any]],
-    size: str,
-    base: dict[str, Any],
-    overrides: dict[str, Any],
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """A model bench's ``size`` entry of ``sizes`` (refused, naming ``suite``, if there is
-    none) and its model config: ``base``, the size's ``"config"``, then ``overrides``."""
-    if size not in sizes:
-        raise ValueError(f"{suite} bench: size must be one of {sorted(sizes)}, got {size!r}")
-    spec = sizes[size]
-    return spec, {**base, **spec["config"], **overrides}
-
-
-def build_seeded(cls: Any, device: torch.device, dtype: torch.dtype, config: dict[str, Any]) -> Any:
-    """A model of class ``cls`` built from ``config`` on ``device`` with seed 0 (random
-    weights, no download), cast to ``dtype``, in eval mode."""
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = cls(**config)
-    return model.to(dtype).eval()
-
-
-class ModuleTimer:
-    """Seconds spent inside ``modules`` (a forward pre- and post-hook on each, the device
-    synchronised at both) until :meth:`remove`."""
-
-    def __init__(self, modules: Iterable[Any], device: torch.device) -> None:
-        self.seconds = 0.0
-        start = [0.0]
-
-        def pre(*_: Any) -> None:
-            sync(device)
-            start[0] = time.perf_counter()
-
-        def post(*_: Any) -> None:
-            sync(device)
-            self.seconds += time.perf_counter() - start[0]
-
-        self._handles = [
-            h
-            for m in modules
-            for h in (m.register_forward_pre_hook(pre), m.register_forward_hook(post))
-        ]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-
-
-def interleaved_forwards(
-    model: Any,
-    x: dict[str, torch.Tensor],
-    device: torch.device,
-    variants: Sequence[tuple[str, Any]],
-    use: Callable[[Any], None],
-    rounds: int,
-    probe: Callable[[Any], Any],
-    *,
-    desc: str,
-    progress: bool = True,
-    reset: Callable[[], None] | None = None,
-) -> tuple[dict[str, torch.Tensor], dict[str, list[float]], dict[str, list[Any]]]:
-    """``model(**x)`` under each of ``variants`` (``(name, option)``; ``use(option)`` sets
-    the model up) in turns: one untimed call each (first-touch allocations, plans), whose
-    output is kept, then ``rounds`` rounds of timed calls, each with ``probe(model)``
-    attached (an object with ``remove()``, removed after the call), so that a slow spell
-    of a shared machine lands on every variant alike. A progress bar (``desc``) on stderr;
-    ``reset()`` runs at the end, whatever happens. Returns the outputs, the seconds and the
-    probes, by variant name."""
-    outputs: dict[str, torch.Tensor] = {}
-    times: dict[str, list[float]] = {name: [] for name, _ in variants}
-    probes: dict[str, list[Any]] = {name: [] for name, _ in variants}
-    bar = Progress(len(variants) * (rounds + 1), desc, progress)
-    try:
-        for name, option in variants:
-            bar.step(f"{name} warm-up")
-            use(option)
-            outputs[name] = timed_forward(model, x, device)[0]
-        for r in range(rounds):
-            for name, option in variants:
-                bar.step(f"{name} round {r}")
-                use(option)
-                p = probe(model)
-                try:
-                    _, seconds = timed_forward(model, x, device)
-                finally:
-                    p.remove()
-                times[name].append(seconds)
-                probes[name].append(p)
-    finally:
-        bar.close()
-        if reset is not None:
-            reset()
-    return outputs, times, probes
-
-
-def timing_summary(
-    name: str,
-    times: dict[str, list[float]],
-    attention: dict[str, list[float]],
-    baseline: str = "unpatched",
-) -> dict[str, Any]:
-    """Variant ``name``'s medians of the seconds per forward and inside the attention, and
-    the median of its per-round ratios to ``baseline`` (the speedup)."""
-    return {
-        "variant": name,
-        "median_seconds": statistics.median(times[name]),
-        "median_attention_seconds": statistics.median(attention[name]),
-        "speedup": statistics.median(u / t for u, t in zip(times[baseline], times[name])),
-    }
 
 
 def sync(device: torch.device) -> None:

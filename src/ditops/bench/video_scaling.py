@@ -37,7 +37,7 @@ import torch
 
 from ditops.bench import hunyuan_video as hv
 from ditops.bench import wan, wan_model
-from ditops.bench.harness import timed_forward
+from ditops.bench.model_runs import timed_forward
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 #: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
