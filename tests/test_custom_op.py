@@ -348,3 +348,56 @@ def test_plan_cache_does_not_grow_with_repeated_overrides() -> None:
             op(torch.ones(2))
     assert len(ToyScale._plans) <= 2  # (cpu, exact) and (cpu, fast)
     assert op.ran == ["cpu"] * 100
+
+
+# --- ops written for the former core are refused, never half-run --------------------------
+
+
+@pytest.mark.parametrize("hook", ["fast_path_reasons", "meaning_for_non_finite", "dispatch"])
+def test_a_retired_hook_is_refused_when_the_class_is_made(hook: str) -> None:
+    with pytest.raises(TypeError, match=f"{hook} is no longer read"):
+        type("Old", (CustomOp,), {hook: lambda self, *a: []})
+
+
+def test_an_alias_of_a_path_is_refused_with_the_declaration_to_write() -> None:
+    with pytest.raises(TypeError, match=r"@path\('cuda', \.\.\.\)"):
+
+        class Aliased(CustomOp):
+            def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+                return x
+
+            @fast_path(backend=FAKE)
+            def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+                return x
+
+            forward_hip = forward_cuda
+
+
+def test_guarded_inputs_need_a_mend_for_the_devices() -> None:
+    with pytest.raises(TypeError, match="define mend_non_finite"):
+
+        class Unmended(CustomOp):
+            non_finite_inputs = (0,)
+
+            def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+                return x
+
+            @fast_path("cuda")
+            def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+                return x
+
+
+def test_one_path_serves_several_kinds_and_is_named_for_each() -> None:
+    class Shared(CustomOp):
+        def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+            return x * 2
+
+        @fast_path("cuda", "hip", "xpu")
+        def forward_cuda(self, x: torch.Tensor) -> torch.Tensor:
+            return x + x
+
+    assert Shared.forward_hip is Shared.forward_cuda and Shared.forward_xpu is Shared.forward_cuda
+    op = Shared()
+    for kind in ("cuda", "hip", "xpu"):
+        with force_device_kind({"cpu": kind}):
+            assert op.explain_call(torch.ones(2)).chosen == "forward_cuda"

@@ -30,7 +30,6 @@ device, NaN where non-finite inputs reach the output. Compiled, the CPU check is
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -59,6 +58,13 @@ class BackendUnavailableError(RuntimeError):
 NON_FINITE_REASON = "an input holds NaN or inf: the meaning runs, so they propagate as in it"
 
 C = TypeVar("C", bound="CustomOp")
+
+#: Hooks of the former op core, and what declares the same now.
+_RETIRED = {
+    "fast_path_reasons": "give each path reasons=fn(call), or the op not_supported(call)",
+    "meaning_for_non_finite": "declare non_finite_inputs (field names) and mend_non_finite",
+    "dispatch": "ops are called (op(...)) or run a prepared call (op.run(call))",
+}
 
 
 def register_op(name: str) -> Callable[[type[C]], type[C]]:
@@ -115,8 +121,10 @@ class CustomOp(nn.Module):
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
-        if "meaning_for_non_finite" in cls.__dict__:  # LEGACY: transition of issue 17
-            cls.non_finite_inputs = cls.meaning_for_non_finite
+        for old, new in _RETIRED.items():  # an op written for the old core fails loudly
+            if old in cls.__dict__:
+                raise TypeError(f"{cls.__name__}.{old} is no longer read: {new}")
+        cls._plans = {}  # each class its own: plans hold its paths
         native = cls.__dict__.get("forward_native")
         if native is not None:
             cls._native = native
@@ -130,9 +138,11 @@ class CustomOp(nn.Module):
         for klass in reversed(cls.__mro__):
             for name, attr in vars(klass).items():
                 spec = getattr(attr, "_ditops_path", None)
-                if spec is not None and name != spec.name:  # LEGACY: forward_hip = forward_cuda
-                    kind = name.removeprefix("forward_")
-                    spec = dataclasses.replace(spec, name=name, kinds=(kind,))
+                if spec is not None and name != spec.name:
+                    raise TypeError(
+                        f"{cls.__name__}.{name} = {spec.name}: declare the device kinds a "
+                        f"path serves instead, @path({', '.join(map(repr, spec.kinds))}, ...)"
+                    )
                 if spec is not None:
                     specs[name] = spec
                 elif name in specs:
@@ -240,9 +250,6 @@ class CustomOp(nn.Module):
     def _guards(self, spec: PathSpec, kind: str) -> bool:
         return bool(self.non_finite_inputs) and not spec.propagates_non_finite
 
-    def dispatch(self, *args: Any, **kwargs: Any) -> Any:  # LEGACY: transition of issue 17
-        return self.run(Args(args, kwargs))
-
     def _mended(self, spec: PathSpec, kind: str, call: OpCall, out: Any) -> Any:
         if kind != "cpu" and self._guards(spec, kind):
             return self.mend_non_finite(call, out)
@@ -279,9 +286,6 @@ class CustomOp(nn.Module):
             ):
                 reasons.append("grad enabled: this path has no backward")
         reasons.extend(self.not_supported(call))
-        legacy = getattr(self, "fast_path_reasons", None)  # LEGACY: transition of issue 17
-        if legacy is not None and isinstance(call, Args):
-            reasons.extend(legacy(kind, *call.args, **call.kwargs))
         if spec.reasons is not None:
             reasons.extend(spec.reasons(call))
         if (
@@ -318,10 +322,7 @@ class CustomOp(nn.Module):
         input holds NaN/inf. Its branches return outputs flat (it cannot prove symbolic
         strides dense), shaped back after."""
         names = call.tensor_fields()
-        if isinstance(call, Args):  # LEGACY
-            shape = self.output_shape(*call.args, **call.kwargs)
-        else:
-            shape = self.output_shape(call)
+        shape = self.output_shape(call)
 
         def flat(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
             def branch(*ts: torch.Tensor) -> torch.Tensor:
