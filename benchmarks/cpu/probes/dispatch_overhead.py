@@ -2,16 +2,15 @@
 
 For each op: the eager call through ditops (validation, plan lookup, per-call reasons,
 the chosen path) against the same path's kernel called directly, on the same inputs, in
-one run. The difference is the dispatch overhead per call. Median of 7 repeats of
-``--calls`` calls each.
+one run. The difference is the dispatch overhead per call. The least of ``--repeats``
+runs of ``--calls`` calls each (noise only adds time).
 
-    python benchmarks/cpu/probes/dispatch_overhead.py [--calls 5000]
+    python benchmarks/cpu/probes/dispatch_overhead.py [--calls 200] [--repeats 300]
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import time
 from collections.abc import Callable
 
@@ -20,21 +19,26 @@ import torch
 import ditops
 
 
-def per_call_us(fn: Callable[[], object], calls: int) -> float:
-    for _ in range(200):
-        fn()
-    runs = []
-    for _ in range(7):
-        t0 = time.perf_counter()
-        for _ in range(calls):
+def per_call_us(fns: list[Callable[[], object]], calls: int, repeats: int) -> list[float]:
+    """Per-call microseconds of each of ``fns``, the least of ``repeats`` runs of ``calls``
+    calls, the functions taking turns run by run (so they see the same machine state)."""
+    for fn in fns:
+        for _ in range(200):
             fn()
-        runs.append((time.perf_counter() - t0) / calls * 1e6)
-    return statistics.median(runs)
+    best = [float("inf")] * len(fns)
+    for _ in range(repeats):
+        for i, fn in enumerate(fns):
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            best[i] = min(best[i], (time.perf_counter() - t0) / calls * 1e6)
+    return best
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--calls", type=int, default=5000)
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=300)
     args = parser.parse_args()
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -49,17 +53,28 @@ def main() -> None:
 
     rows: list[tuple[str, float, float]] = []
     with torch.inference_mode():
-        op = per_call_us(lambda: norm(x), args.calls)
-        direct = per_call_us(
-            lambda: fp32_layer_norm(x, [64], norm.weight.float(), norm.bias.float(), 1e-5, False),
+        op, direct = per_call_us(
+            [
+                lambda: norm(x),
+                lambda: fp32_layer_norm(
+                    x, [64], norm.weight.float(), norm.bias.float(), 1e-5, False
+                ),
+            ],
             args.calls,
+            args.repeats,
         )
         rows.append(("fp32_layer_norm [4, 64] bf16", op, direct))
-        op = per_call_us(lambda: ditops.gated_residual(res, res, gate), args.calls)
-        direct = per_call_us(lambda: gated_kernel(res, res, gate, False), args.calls)
+        op, direct = per_call_us(
+            [
+                lambda: ditops.gated_residual(res, res, gate),
+                lambda: gated_kernel(res, res, gate, False),
+            ],
+            args.calls,
+            args.repeats,
+        )
         rows.append(("gated_residual [1, 4, 64] bf16", op, direct))
     del w, b
-    print(f"torch {torch.__version__}, 1 thread, {args.calls} calls x 7 repeats (median)")
+    print(f"torch {torch.__version__}, 1 thread, {args.calls} calls x {args.repeats} repeats (min)")
     print(f"{'op':<34} {'ditops us':>10} {'kernel us':>10} {'overhead us':>12}")
     for name, op, direct in rows:
         print(f"{name:<34} {op:>10.2f} {direct:>10.2f} {op - direct:>12.2f}")

@@ -46,6 +46,8 @@ def check_tensor(
 
 def check_eps(op: str, eps: object) -> float:
     """A real number (not a bool), as a float."""
+    if type(eps) is float:  # the common case, before the slower abstract-class check
+        return eps
     if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
         raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
     return float(eps)

@@ -40,12 +40,12 @@ from torch import nn
 
 from ditops import config
 from ditops.core import registry
-from ditops.core.calls import Args, OpCall
+from ditops.core.calls import Args, OpCall, invoke
 from ditops.core.checks import check_precision, dtype_name
-from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec
+from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec, runner
 from ditops.core.registry import STATE, finite, registered_ops
+from ditops.core.traced import run_traced
 from ditops.platform import device_kind
-from ditops.tracing import trace_time_constant
 
 logger = logging.getLogger("ditops")
 
@@ -83,21 +83,6 @@ def register_op(name: str) -> Callable[[type[C]], type[C]]:
     return decorate
 
 
-def _invoke(fn: Callable[..., Any], op: CustomOp, call: OpCall) -> Any:
-    if isinstance(call, Args):
-        return fn(op, *call.args, **call.kwargs)
-    return fn(op, call)
-
-
-def _runner(cls: type[CustomOp], spec: PathSpec) -> Callable[[CustomOp, OpCall], Any]:
-    """How to run ``spec`` for ``cls``: its function, or, where the class attribute was
-    replaced since (a test's spy wrapping the path), that attribute, given the record."""
-    attr = getattr(cls, spec.name, None)
-    if attr is None or getattr(attr, "__wrapped__", None) is spec.fn:
-        return lambda op, call: _invoke(spec.fn, op, call)
-    return lambda op, call: attr(op, call)
-
-
 @dataclass(frozen=True)
 class _Plan:
     paths: tuple[tuple[PathSpec, Callable[[CustomOp, OpCall], Any]], ...]  # usable, in order
@@ -118,6 +103,8 @@ class CustomOp(nn.Module):
     #: kernels turn a NaN query row into zeros). See the module docstring.
     non_finite_inputs: ClassVar[tuple[int | str, ...]] = ()
     _precision: str | None = None
+    _answers_early: ClassVar[bool] = False
+    _refuses: ClassVar[bool] = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
@@ -125,12 +112,15 @@ class CustomOp(nn.Module):
             if old in cls.__dict__:
                 raise TypeError(f"{cls.__name__}.{old} is no longer read: {new}")
         cls._plans = {}  # each class its own: plans hold its paths
+        # Hooks left as the base defines them are not called per call.
+        cls._answers_early = cls.answer_without_paths is not CustomOp.answer_without_paths
+        cls._refuses = cls.not_supported is not CustomOp.not_supported
         native = cls.__dict__.get("forward_native")
         if native is not None:
             cls._native = native
 
             def forward_native(self: CustomOp, *args: Any, **kw: Any) -> Any:
-                return _invoke(type(self)._native, self, self._as_call(args, kw))  # type: ignore[arg-type]
+                return invoke(type(self)._native, self, self._as_call(args, kw))  # type: ignore[arg-type]
 
             forward_native.__doc__ = native.__doc__
             cls.forward_native = forward_native  # type: ignore[method-assign]
@@ -219,32 +209,36 @@ class CustomOp(nn.Module):
         """Run one path directly (a test's call of ``op.forward_cpu(...)``), no dispatch."""
         call = self._as_call(args, kwargs)
         call.exact = self.resolved_precision() == "exact"
-        return _invoke(spec.fn, self, call)
+        return invoke(spec.fn, self, call)
 
     def run(self, call: OpCall, precision: str | None = None) -> Any:
         """Run the best usable path for this prepared call; ``precision`` overrides the
         module's (a norm module passes its own)."""
-        early = self.answer_without_paths(call)
-        if early is not None:
-            return early
-        kind = self._kind(call)
+        if self._answers_early:
+            early = self.answer_without_paths(call)
+            if early is not None:
+                return early
+        tensors = call.tensors()  # once: the device kind and every path's checks read them
+        kind = device_kind(tensors[0]) if tensors else "cpu"
         if torch.compiler.is_compiling():
-            return self._run_traced(kind, call, precision or self._precision)
+            return run_traced(self, kind, call, precision or self._precision)
         plan = self._plan(kind, precision or self._precision)
-        for spec, runner in plan.paths:
-            if self._call_reasons(spec, kind, call):
+        for spec, fn in plan.paths:
+            if self._call_reasons(spec, kind, call, tensors):
                 continue
             call.exact = plan.exact
             try:
-                out = runner(self, call)
+                out = fn(self, call)
             except Exception as exc:  # noqa: BLE001 - classified: caller's error or backend's
                 return self._after_failure(kind, spec, exc, call)
-            return self._mended(spec, kind, call, out)
-        return _invoke(type(self)._native, self, call)  # type: ignore[arg-type]
+            if kind != "cpu" and self.non_finite_inputs and not spec.propagates_non_finite:
+                return self.mend_non_finite(call, out)
+            return out
+        return invoke(type(self)._native, self, call)  # type: ignore[arg-type]
 
     @staticmethod
     def _kind(call: OpCall) -> str:
-        first = next(call.tensors(), None)
+        first = call.first_tensor()
         return device_kind(first) if first is not None else "cpu"
 
     def _guards(self, spec: PathSpec, kind: str) -> bool:
@@ -267,29 +261,36 @@ class CustomOp(nn.Module):
         are at fault: its error is raised as it is and nothing changes. If not, the path
         is given up for this device kind (one warning; strict mode raises)."""
         try:
-            result = _invoke(type(self)._native, self, call)  # type: ignore[arg-type]
+            result = invoke(type(self)._native, self, call)  # type: ignore[arg-type]
         except Exception as native_exc:  # noqa: BLE001 - re-raised as it is
             raise native_exc.with_traceback(native_exc.__traceback__) from None
         self._give_up(kind, spec, exc)
         return result
 
-    def _call_reasons(self, spec: PathSpec, kind: str, call: OpCall) -> list[str]:
+    def _call_reasons(
+        self, spec: PathSpec, kind: str, call: OpCall, tensors: list[torch.Tensor] | None = None
+    ) -> list[str]:
         reasons: list[str] = []
-        if spec.dtypes is not None:
-            for t in call.tensors():
-                if t.is_floating_point() and t.dtype not in spec.dtypes:
-                    reasons.append(f"dtype {dtype_name(t.dtype)} not supported")
-                    break
-        if spec.inference_only and torch.is_grad_enabled():
-            if any(t.requires_grad for t in call.tensors()) or any(
-                p.requires_grad for p in self.parameters(recurse=False)
+        needs_grad_check = spec.inference_only and torch.is_grad_enabled()
+        if spec.dtypes is not None or needs_grad_check:
+            tensors = call.tensors() if tensors is None else tensors
+            if spec.dtypes is not None:
+                for t in tensors:
+                    if t.dtype not in spec.dtypes and t.is_floating_point():
+                        reasons.append(f"dtype {dtype_name(t.dtype)} not supported")
+                        break
+            if needs_grad_check and (
+                any(t.requires_grad for t in tensors)
+                or any(p.requires_grad for p in self.parameters(recurse=False))
             ):
                 reasons.append("grad enabled: this path has no backward")
-        reasons.extend(self.not_supported(call))
+        if self._refuses:
+            reasons.extend(self.not_supported(call))
         if spec.reasons is not None:
             reasons.extend(spec.reasons(call))
         if (
-            not reasons
+            self.non_finite_inputs
+            and not reasons
             and kind == "cpu"  # elsewhere mend_non_finite, after the path: no host sync
             and self._guards(spec, kind)
             and not torch.compiler.is_compiling()  # traced: a torch.cond instead
@@ -297,44 +298,6 @@ class CustomOp(nn.Module):
         ):
             reasons.append(NON_FINITE_REASON)
         return reasons
-
-    def _run_traced(self, kind: str, call: OpCall, module_precision: str | None) -> Any:
-        """Dispatch inside ``torch.compile``: the static choice is made in plain Python at
-        trace time (:func:`_traced_paths`: no lock, probe or warning is traced) and the
-        graph is guarded on the values it read (precision, the thread's settings). A
-        path's failure here is a compile error, not a fallback."""
-        config.ensure_loaded()
-        cfg = config.get()
-        precision = module_precision or cfg.precision
-        names = _traced_paths(type(self), kind, precision, cfg.custom_ops.text, cfg.strict)
-        for name in filter(None, names.split(",")):
-            spec = type(self)._specs[name]
-            if self._call_reasons(spec, kind, call):
-                continue
-            call.exact = precision == "exact"
-            if kind != "cpu" or not self._guards(spec, kind):
-                return self._mended(spec, kind, call, _runner(type(self), spec)(self, call))
-            return self._cond_on_finite(spec, call)
-        return _invoke(type(self)._native, self, call)  # type: ignore[arg-type]
-
-    def _cond_on_finite(self, spec: PathSpec, call: OpCall) -> Any:
-        """No data-dependent branch in a graph: torch.cond picks the meaning when a guarded
-        input holds NaN/inf. Its branches return outputs flat (it cannot prove symbolic
-        strides dense), shaped back after."""
-        names = call.tensor_fields()
-        shape = self.output_shape(call)
-
-        def flat(fn: Callable[..., Any]) -> Callable[..., torch.Tensor]:
-            def branch(*ts: torch.Tensor) -> torch.Tensor:
-                return _invoke(fn, self, call.with_tensors(names, ts)).contiguous().reshape(-1)
-
-            return branch
-
-        get = call.get if isinstance(call, Args) else lambda n: getattr(call, n)
-        operands = tuple(get(n) for n in names)
-        native = type(self)._native
-        out = torch.cond(finite(self._guarded(call)), flat(spec.fn), flat(native), operands)  # type: ignore[arg-type]
-        return out.view(shape)
 
     def _give_up(self, kind: str, spec: PathSpec, exc: Exception) -> None:
         backend = spec.backend.name if spec.backend is not None else kind
@@ -366,8 +329,9 @@ class CustomOp(nn.Module):
         cfg = config.get()
         precision = module_precision or cfg.precision
         # Keyed by the settings' values, not their version: a block under
-        # config.override(...) with the same values reuses the plans.
-        key = (kind, precision, cfg.custom_ops, cfg.strict, STATE.version)
+        # config.override(...) with the same values reuses the plans. The selection by its
+        # text (it is parsed from it): a str hashes once, a dataclass on every call.
+        key = (kind, precision, cfg.custom_ops.text, cfg.strict, STATE.version)
         plan = cls._plans.get(key)
         if plan is None:
             plan = cls._plans[key] = cls._make_plan(kind, precision, cfg)
@@ -393,7 +357,8 @@ class CustomOp(nn.Module):
                 usable.append(spec)
         chosen = usable[0].name if usable else NATIVE
         decision = Decision(cls.op_name, kind, precision, chosen, candidates)
-        routes = tuple((spec, _runner(cls, spec)) for spec in usable)
+        unpack = cls.prepare is CustomOp.prepare  # no record type: the arguments as given
+        routes = tuple((spec, runner(cls, spec, unpack)) for spec in usable)
         return _Plan(routes, precision == "exact", decision)
 
     @classmethod
@@ -441,13 +406,3 @@ class CustomOp(nn.Module):
             if not reasons and chosen == NATIVE:
                 chosen = report.path
         return Decision(base.op, kind, base.precision, chosen, candidates)
-
-
-@trace_time_constant
-def _traced_paths(
-    cls: type[CustomOp], kind: str, precision: str, custom_ops: str, strict: bool
-) -> str:
-    """The usable paths of ``cls`` for ``kind`` (names, comma-separated), for a graph being
-    traced: plain Python at trace time. ``custom_ops`` and ``strict`` are not read here
-    (the plan reads the thread's settings): passing them guards the graph on them."""
-    return ",".join(spec.name for spec, _ in cls._plan(kind, precision).paths)

@@ -116,6 +116,18 @@ def path(
     return decorate
 
 
+def runner(cls: type, spec: PathSpec, unpack: bool) -> Callable[[Any, Any], Any]:
+    """How the dispatcher runs ``spec`` for op class ``cls`` on a call: the path's function
+    (``unpack``: given the arguments, for ops without a record type), or, where the class
+    attribute was replaced since (a test's spy wrapping the path), that attribute."""
+    attr = getattr(cls, spec.name, None)
+    if attr is None or getattr(attr, "__wrapped__", None) is spec.fn:
+        if unpack:
+            return lambda op, call: spec.fn(op, *call.args, **call.kwargs)
+        return spec.fn
+    return lambda op, call: attr(op, call)
+
+
 @dataclass
 class PathReport:
     """Why one path was or was not chosen."""
