@@ -279,6 +279,14 @@ class ModulationCall(OpCall):
     bias: torch.Tensor | None = None
     out_dtype: torch.dtype | None = None  # of the modulated output (Wan's chain only)
 
+    def tensors(self) -> list[torch.Tensor]:
+        """The call's tensors, listed directly (it runs on every call: no field walk)."""
+        found = [t for t in (self.x, self.residual, self.weight, self.bias) if t is not None]
+        for m in (self.gate, self.scale, self.shift):
+            if isinstance(m.value, torch.Tensor):
+                found.append(m.value)
+        return found
+
     @property
     def model(self) -> torch.Tensor:
         """The tensor whose dtype is the model's: the residual, else x."""
