@@ -26,7 +26,9 @@ from ditops.layers.sparse_attention import BlockSparseAttention
 STEPS = 8
 
 
-def timed_layer(every: int, dense_blocks: int, method: str) -> tuple[BlockSparseAttention, list[float]]:
+def timed_layer(
+    every: int, dense_blocks: int, method: str
+) -> tuple[BlockSparseAttention, list[float]]:
     cfg = BlockSparseConfig(sparsity=0.75, estimate_every=every, method=method)
     layer = BlockSparseAttention(cfg, dense_blocks=dense_blocks)
     spent: list[float] = []
@@ -74,10 +76,15 @@ def main() -> None:
     )
     d = statistics.median(dense)
     print(f"dense SDPA: {d * 1e3:.0f} ms")
-    print(f"{'estimate_every':>15} {'forward ms':>11} {'estimate ms':>12} {'share':>6} {'fwd/dense':>10}")
+    print(
+        f"{'estimate_every':>15} {'forward ms':>11} {'estimate ms':>12} {'share':>6} "
+        f"{'fwd/dense':>10}"
+    )
     for every, r in results.items():
         fwd, est = statistics.median(r["fwd"]), statistics.median(r["est"])
-        print(f"{every:>15} {fwd * 1e3:>11.0f} {est * 1e3:>12.0f} {est / fwd:>6.1%} {fwd / d:>10.2f}")
+        print(
+            f"{every:>15} {fwd * 1e3:>11.0f} {est * 1e3:>12.0f} {est / fwd:>6.1%} {fwd / d:>10.2f}"
+        )
 
 
 if __name__ == "__main__":
