@@ -47,3 +47,46 @@ def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -
     assert png.stat().st_size > 1000
     payload = json.loads(out.read_text())
     assert {s["method"] for s in payload["masks_summary"]} == set(METHODS)
+
+
+TINY_WAN = {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 16,
+            "freq_dim": 16, "ffn_dim": 48, "in_channels": 4, "out_channels": 4,
+            "rope_max_seq_len": 64}  # fmt: skip
+
+
+def test_wan_model_qkv_is_what_attn1_attends() -> None:
+    """The captured q, k, v give attn1's output: dense attention, then to_out."""
+    from ditops.bench import wan_model
+
+    model = wan_model.build_model(None, torch.device("cpu"), torch.float32, **TINY_WAN)
+    outs: list[torch.Tensor] = []
+    model.blocks[1].attn1.register_forward_hook(lambda m, a, o: outs.append(o))
+    store: list = []
+    attn = model.blocks[1].attn1
+    attn.set_processor(masks._CaptureQKV(attn.processor, store))
+    config = {**wan_model.DEFAULT_CONFIG, **TINY_WAN}
+    with torch.inference_mode():
+        model(**wan_model.make_inputs(config, (3, 16, 16), 8, "cpu", torch.float32))
+        q, k, v = store[0]
+        assert q.shape == (1, 2, 3 * 8 * 8, 16)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v).transpose(1, 2)
+        torch.testing.assert_close(attn.to_out[0](o.flatten(2)), outs[0], atol=1e-5, rtol=1e-4)
+
+
+def test_wan_model_cases_have_every_method_and_keep() -> None:
+    cpu = torch.device("cpu")
+    cases = masks.wan_model_cases(cpu, torch.float32, latent=(3, 16, 16), text_tokens=8,
+                                  stride=4, samples=2, **TINY_WAN)  # fmt: skip
+    results = list(run_cases(cases, cpu, n_steps=1, desc="masks", progress=False,
+                             min_seconds=0.0))  # fmt: skip
+    summ = masks.summary(ratios(results))
+    assert {(s["case"].split()[1], s["keep"]) for s in summ} == {
+        (b, keep) for b in ("b0", "b1") for keep in (0.5, 0.25)
+    }
+    assert len(summ) == 4 * len(METHODS)
+    assert {r.params["block_size"] for r in results} == {16}  # 192 tokens: 12 blocks of 16
+    for s in summ:
+        assert s["case"].startswith("wan_model ")
+        assert 0 < s["mass_kept"] <= 1 + 1e-6
+        assert 0 < s["mass_vs_row"] <= 1 + 1e-6 and 0 < s["mass_vs_head"] <= 1 + 1e-6
+        assert s["err_vs_row_oracle"] > 0

@@ -5,7 +5,13 @@ and diffuse heads, global tokens), ``[1, 12, S, 128]`` in the suite's dtype (bf1
 default; ``python -m ditops.bench.masks --dtype float32``), the first frame's blocks
 forced and paid from the budget as ``BlockSparseConfig`` does. ``small``: Wan's 21
 latent frames of 16 x 24 tokens (S = 8064); ``full`` adds three shapes no test was
-tuned on (:data:`ditops.bench.video_attention.SHAPES`).
+tuned on (:data:`ditops.bench.video_attention.SHAPES`) and ``wan_model``.
+
+``wan_model`` (also ``--size wan_model`` alone): the q, k and v of the bench's small Wan
+model itself (:data:`ditops.bench.wan_model.DEFAULT_CONFIG`, random weights, in the
+suite's dtype), captured in blocks 0 and 1's self-attention after ``norm_q``/``norm_k``
+and the rotary embedding (:func:`wan_model_qkv`), on a latent of 9 frames of 16 x 24
+tokens (S = 3456: 27 blocks of 128, the first frame 3 of them), at keep 0.5 and 0.25.
 
 Per shape and density (``keep``), every method of
 :data:`ditops.attention.methods.METHODS` estimates a mask with ``estimate_block_mask``
@@ -41,7 +47,14 @@ from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality,
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
 KEEPS = (0.5, 0.25, 0.15)
-SIZES = {"small": ("wan",), "full": ("wan", "wide", "tall", "long")}
+SIZES = {
+    "small": ("wan",),
+    "full": ("wan", "wide", "tall", "long", "wan_model"),
+    "wan_model": ("wan_model",),
+}
+#: The Wan model source: latent (frames, height, width) -- tokens (9, 16, 24) after the
+#: 1 x 2 x 2 patch --, the blocks whose self-attention is captured, the densities.
+WAN_LATENT, WAN_BLOCKS, WAN_KEEPS, WAN_TEXT_TOKENS = (9, 32, 48), (0, 1), (0.5, 0.25), 64
 FLAGS = {"keep_sink": True, "keep_recent": True, "causal": False}
 
 
@@ -64,60 +77,186 @@ def cases_for(
 ) -> Iterator[Case]:
     """One case per (shape, keep): dense SDPA, then ``est <method>`` and ``attn <method>``
     for each method; the quality of each method's mask in the case's params."""
+    for shape in shapes:
+        qkv = video_attention(*shape, heads=heads, dim=dim, dtype=dtype)
+        yield from cases_from(
+            "", shape, *qkv, device, keeps=keeps, methods=methods,
+            block_size=block_size, stride=stride, samples=samples,
+        )  # fmt: skip
+
+
+def cases_from(
+    label: str,
+    shape: Sequence[int],
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    device: torch.device,
+    *,
+    keeps: Sequence[float] = KEEPS,
+    methods: Sequence[str] = tuple(METHODS),
+    block_size: int = BLOCK,
+    stride: int = STRIDE,
+    samples: int = DEFAULT_SAMPLES,
+    extra: dict[str, Any] | None = None,
+) -> Iterator[Case]:
+    """The cases of one BNSD ``q, k, v`` whose tokens are ``shape`` (frames, height,
+    width), one per keep; ``label`` prefixes the case names, ``extra`` joins the params."""
     from ditops.ops.block_sparse_attention import block_sparse_attention
     from ditops.ops.estimate_block_mask import estimate_block_mask
 
-    for shape in shapes:
-        q, k, v = (t.to(device) for t in video_attention(*shape, heads=heads, dim=dim, dtype=dtype))
-        seq = int(q.shape[2])
-        ff = first_frame_blocks(shape, block_size)
-        qf, kf = q.float().cpu(), k.float().cpu()
-        mass = exact_block_mass(qf, kf, block_size)
-        blocks = int(mass.shape[-1])
-        forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
-        with torch.inference_mode():
-            dense = F.scaled_dot_product_attention(qf, kf, v.float().cpu())
-        for keep in keeps:
-            variants: dict[str, Any] = {}
-            quality: dict[str, dict[str, float]] = {}
+    dtype = q.dtype
+    q, k, v = (t.to(device) for t in (q, k, v))
+    seq = int(q.shape[2])
+    ff = first_frame_blocks(shape, block_size)
+    qf, kf = q.float().cpu(), k.float().cpu()
+    mass = exact_block_mass(qf, kf, block_size)
+    blocks = int(mass.shape[-1])
+    forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+    with torch.inference_mode():
+        dense = F.scaled_dot_product_attention(qf, kf, v.float().cpu())
+    for keep in keeps:
+        variants: dict[str, Any] = {}
+        quality: dict[str, dict[str, float]] = {}
 
-            def sdpa(q=q, k=k, v=v) -> torch.Tensor:
+        def sdpa(q=q, k=k, v=v) -> torch.Tensor:
+            with torch.inference_mode():
+                return F.scaled_dot_product_attention(q, k, v)
+
+        variants["native"] = sdpa
+        for method in methods:
+            opts = {"keep_ratio": keep, "dense_blocks": ff, "block_size": block_size,
+                    "stride": stride, "method": method, "samples": samples}  # fmt: skip
+            with torch.inference_mode():
+                mask, counts = estimate_block_mask(q, k, **opts)
+            quality[method] = mask_quality(
+                mass, mask.cpu(), qf, kf, v.float().cpu(), dense,
+                forced=forced, block_size=block_size,
+            ).as_dict()  # fmt: skip
+
+            def est(q=q, k=k, opts=opts) -> Any:
                 with torch.inference_mode():
-                    return F.scaled_dot_product_attention(q, k, v)
+                    return estimate_block_mask(q, k, **opts)
 
-            variants["native"] = sdpa
-            for method in methods:
-                opts = {"keep_ratio": keep, "dense_blocks": ff, "block_size": block_size,
-                        "stride": stride, "method": method, "samples": samples}  # fmt: skip
+            def attn(q=q, k=k, v=v, mask=mask, counts=counts) -> torch.Tensor:
                 with torch.inference_mode():
-                    mask, counts = estimate_block_mask(q, k, **opts)
-                quality[method] = mask_quality(
-                    mass, mask.cpu(), qf, kf, v.float().cpu(), dense,
-                    forced=forced, block_size=block_size,
-                ).as_dict()  # fmt: skip
+                    return block_sparse_attention(q, k, v, mask, counts, block_size=block_size)
 
-                def est(q=q, k=k, opts=opts) -> Any:
-                    with torch.inference_mode():
-                        return estimate_block_mask(q, k, **opts)
+            variants[f"est {method}"] = est
+            variants[f"attn {method}"] = attn
+        params = {"S": seq, "shape": list(shape), "keep": keep, "first_frame_blocks": ff,
+                  "block_size": block_size, "dtype": str(dtype).replace("torch.", ""),
+                  "samples": samples, "quality": quality, **(extra or {})}  # fmt: skip
+        name = f"{label}S={seq} keep={keep}"
+        yield Case(suite="masks", name=name, variants=variants, params=params)
 
-                def attn(q=q, k=k, v=v, mask=mask, counts=counts) -> torch.Tensor:
-                    with torch.inference_mode():
-                        return block_sparse_attention(q, k, v, mask, counts, block_size=block_size)
 
-                variants[f"est {method}"] = est
-                variants[f"attn {method}"] = attn
-            params = {"S": seq, "shape": list(shape), "keep": keep, "first_frame_blocks": ff,
-                      "dtype": str(dtype).replace("torch.", ""), "samples": samples,
-                      "quality": quality}  # fmt: skip
-            yield Case(suite="masks", name=f"S={seq} keep={keep}", variants=variants, params=params)
+class _CaptureQKV:
+    """A processor wrapping ``attn1``'s: records the self-attention's q, k, v (BNSD) as
+    diffusers' ``WanAttnProcessor`` forms them (projections, ``norm_q``/``norm_k``, the
+    rotary embedding), then runs the wrapped processor unchanged."""
+
+    def __init__(self, inner: Any, store: list[tuple[torch.Tensor, ...]]) -> None:
+        self.inner, self.store = inner, store
+
+    def __call__(self, attn: Any, hidden_states: torch.Tensor, *args: Any, **kw: Any) -> Any:
+        from diffusers.models.transformers.transformer_wan import _get_qkv_projections
+
+        rotary = kw.get("rotary_emb", args[2] if len(args) > 2 else None)
+        with torch.no_grad():
+            q, k, v = _get_qkv_projections(attn, hidden_states, None)
+            q, k = attn.norm_q(q), attn.norm_k(k)
+            q, k, v = (t.unflatten(2, (attn.heads, -1)) for t in (q, k, v))
+            if rotary is not None:
+                q, k = (_rotate(t, *rotary) for t in (q, k))
+            self.store.append(tuple(t.transpose(1, 2).contiguous() for t in (q, k, v)))
+        return self.inner(attn, hidden_states, *args, **kw)
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """diffusers' ``WanAttnProcessor`` rotary embedding (interleaved pairs)."""
+    x1, x2 = x.unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[..., 0::2], sin[..., 1::2]
+    out = torch.empty_like(x)
+    out[..., 0::2] = x1 * cos - x2 * sin
+    out[..., 1::2] = x1 * sin + x2 * cos
+    return out.type_as(x)
+
+
+def wan_model_qkv(
+    device: torch.device,
+    dtype: torch.dtype,
+    latent: Sequence[int] = WAN_LATENT,
+    blocks: Sequence[int] = WAN_BLOCKS,
+    text_tokens: int = WAN_TEXT_TOKENS,
+    **overrides: Any,
+) -> list[tuple[int, torch.Tensor, torch.Tensor, torch.Tensor]]:
+    """One forward of the bench's Wan model (:func:`ditops.bench.wan_model.build_model`,
+    ``overrides`` on its config) on ``latent`` (frames, height, width): per block of
+    ``blocks``, its self-attention's ``(block, q, k, v)``, BNSD."""
+    from ditops.bench import wan_model
+
+    model = wan_model.build_model(None, device, dtype, **overrides)
+    config = {**wan_model.DEFAULT_CONFIG, **overrides}
+    store: dict[int, list[tuple[torch.Tensor, ...]]] = {b: [] for b in blocks}
+    for b in blocks:
+        attn = model.blocks[b].attn1
+        attn.set_processor(_CaptureQKV(attn.processor, store[b]))
+    inputs = wan_model.make_inputs(config, tuple(latent), text_tokens, device, dtype)
+    with torch.inference_mode():
+        model(**inputs, return_dict=False)
+    return [(b, *store[b][0]) for b in blocks]
+
+
+def wan_model_tokens(latent: Sequence[int], patch: Sequence[int] = (1, 2, 2)) -> tuple[int, ...]:
+    return tuple(n // p for n, p in zip(latent, patch, strict=True))
+
+
+def wan_model_cases(
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    *,
+    latent: Sequence[int] = WAN_LATENT,
+    blocks: Sequence[int] = WAN_BLOCKS,
+    keeps: Sequence[float] = WAN_KEEPS,
+    text_tokens: int = WAN_TEXT_TOKENS,
+    stride: int = STRIDE,
+    samples: int = DEFAULT_SAMPLES,
+    **overrides: Any,
+) -> Iterator[Case]:
+    """The cases of the Wan model's own q, k, v (:func:`wan_model_qkv`), per block and
+    keep. Block size 128 when the sequence has >= 8 blocks of it, else the largest power
+    of two (>= 16) that gives 8."""
+    from ditops.bench import wan_model
+
+    config = {**wan_model.DEFAULT_CONFIG, **overrides}
+    shape = wan_model_tokens(latent, config["patch_size"])
+    seq = math.prod(shape)
+    block_size = BLOCK
+    while block_size > 16 and seq // block_size < 8:
+        block_size //= 2
+    extra = {"source": "wan_model", "latent": list(latent), "config": {
+        k: config[k] for k in ("num_layers", "num_attention_heads", "attention_head_dim",
+                               "ffn_dim", "text_dim", "qk_norm")}}  # fmt: skip
+    for b, q, k, v in wan_model_qkv(device, dtype, latent, blocks, text_tokens, **overrides):
+        yield from cases_from(
+            f"wan_model b{b} ", shape, q, k, v, device, keeps=keeps, block_size=block_size,
+            stride=stride, samples=samples, extra={**extra, "block": b},
+        )  # fmt: skip
 
 
 def cases(device: torch.device, size: str, dtype: torch.dtype = torch.bfloat16) -> Iterator[Case]:
-    return cases_for([SHAPES[s] for s in SIZES[size]], device, dtype=dtype)
+    shapes = [SHAPES[s] for s in SIZES[size] if s != "wan_model"]
+    yield from cases_for(shapes, device, dtype=dtype)
+    if "wan_model" in SIZES[size]:
+        yield from wan_model_cases(device, dtype)
 
 
 def _steps(size: str) -> int:
-    return len(SIZES[size]) * len(KEEPS) * (1 + 2 * len(METHODS))
+    per_keep = 1 + 2 * len(METHODS)
+    shapes = [s for s in SIZES[size] if s != "wan_model"]
+    wan = len(WAN_BLOCKS) * len(WAN_KEEPS) if "wan_model" in SIZES[size] else 0
+    return (len(shapes) * len(KEEPS) + wan) * per_keep
 
 
 SUITE = Suite(
@@ -162,7 +301,7 @@ def print_summary(summ: list[dict[str, Any]], out: Any = None) -> None:
         return "-" if v is None else format(v, spec)
 
     print(
-        f"\n{'case':<20} {'method':<18} {'density':>7} {'mass':>6} {'/row or':>7} "
+        f"\n{'case':<30} {'method':<18} {'density':>7} {'mass':>6} {'/row or':>7} "
         f"{'/head or':>8} {'worst r':>7} {'worst h':>7} {'rel err':>7} {'row or':>7} "
         f"{'head or':>7} {'err/or':>6} {'est %':>6} {'est%cpu':>7} {'attn x':>6}",
         file=out,
@@ -170,7 +309,7 @@ def print_summary(summ: list[dict[str, Any]], out: Any = None) -> None:
     for s in summ:
         share, cpu = s["estimate_share"], s["estimate_share_cpu"]
         print(
-            f"{s['case']:<20} {s['method']:<18} {s['density']:>7.3f} {s['mass_kept']:>6.3f} "
+            f"{s['case']:<30} {s['method']:<18} {s['density']:>7.3f} {s['mass_kept']:>6.3f} "
             f"{s['mass_vs_row']:>7.3f} {s['mass_vs_head']:>8.3f} {s['worst_head_vs_row']:>7.3f} "
             f"{s['worst_head_vs_head']:>7.3f} {s['rel_err']:>7.4f} {s['row_oracle_err']:>7.4f} "
             f"{s['head_oracle_err']:>7.4f} {s['err_vs_row_oracle']:>6.2f} "
