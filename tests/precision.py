@@ -16,6 +16,11 @@ import torch
 _INT_VIEW = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 
 
+def max_rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """The largest deviation from ``ref`` relative to its largest magnitude (in fp32)."""
+    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
+
+
 def ulp_distance(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """Number of representable values between a and b, elementwise (same dtype)."""
     assert a.dtype == b.dtype and a.shape == b.shape, (a.dtype, b.dtype, a.shape, b.shape)

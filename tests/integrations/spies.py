@@ -4,6 +4,7 @@ fused path ran (a silent fall back to the eager expressions would be trivially e
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
+from typing import Any
 
 import pytest
 
@@ -35,3 +36,21 @@ def spy_forward_cpu(monkeypatch: pytest.MonkeyPatch, classes: Iterable[type]) ->
     yield install_spies(monkeypatch, classes)
     for cls in ditops.registered_ops().values():
         cls._plans = {}
+
+
+#: The ops each family's fused forwards run (their forward_cpu is what the parity tests spy on).
+WAN_OPS = ("layer_norm_scale_shift", "gated_residual", "scale_residual_layer_norm_scale_shift",
+           "fp32_layer_norm", "qk_norm_rope")  # fmt: skip
+FLUX_OPS = ("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "qk_norm_rope")
+HUNYUAN_OPS = (*FLUX_OPS, "rms_norm")
+
+
+def cpu_paths_of(*op_names: str) -> Any:
+    """A ``cpu_paths`` fixture: ``{op_name: calls}`` of each named op's ``forward_cpu``."""
+
+    @pytest.fixture
+    def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict]:
+        ops = ditops.registered_ops()
+        yield from spy_forward_cpu(monkeypatch, [ops[name] for name in op_names])
+
+    return cpu_paths

@@ -24,7 +24,8 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
 from ditops.integrations import flux as flux_integration
-from tests.integrations.spies import install_spies, spy_forward_cpu
+from tests.integrations.spies import FLUX_OPS, cpu_paths_of, install_spies
+from tests.precision import max_rel_err
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -77,25 +78,7 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
             return model(**kw, return_dict=False)[0]
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-@pytest.fixture
-def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-
-    yield from spy_forward_cpu(
-        monkeypatch,
-        (
-            adaln.AdaLNModulateOp,
-            adaln.AdaLNResidualOp,
-            adaln.AdaLNResidualModulateOp,
-            qk_norm_rope.QKNormRopeOp,
-        ),
-    )
+cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
 
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -138,7 +121,7 @@ def test_fast_patch_within_tolerance(dtype: str) -> None:
     ditops.patch(model, precision="fast")
     out = run(model, **x)
     assert out.dtype == ref.dtype
-    assert rel_err(out, ref) <= FAST_REL_TOL
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_guidance_and_tables_given_in_another_dtype() -> None:
@@ -380,4 +363,4 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     finally:
         reset_state()
     assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "qk_norm_rope": 3}
-    assert rel_err(out, ref) <= FAST_REL_TOL
+    assert max_rel_err(out, ref) <= FAST_REL_TOL

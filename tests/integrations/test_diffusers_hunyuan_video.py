@@ -23,7 +23,8 @@ import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
 from ditops.integrations import hunyuan_video as hv_integration
-from tests.integrations.spies import spy_forward_cpu
+from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
+from tests.precision import max_rel_err
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -92,26 +93,7 @@ def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.
             return model(**kw, return_dict=False)[0]
 
 
-def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
-    return float((out.float() - ref.float()).abs().max() / ref.float().abs().max())
-
-
-@pytest.fixture
-def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the calls that reach each fused op's forward_cpu (the path under test)."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-
-    yield from spy_forward_cpu(
-        monkeypatch,
-        (
-            adaln.AdaLNModulateOp,
-            adaln.AdaLNResidualOp,
-            adaln.AdaLNResidualModulateOp,
-            qk_norm_rope.QKNormRopeOp,
-            qk_norm_rope.RMSNormOp,
-        ),
-    )
+cpu_paths = cpu_paths_of(*HUNYUAN_OPS)  # counts the calls reaching each op's forward_cpu
 
 
 #: per forward of TINY: 2 double blocks (2 modulated norms, 2 residual+norm, 2 residuals,
@@ -158,7 +140,7 @@ def test_fast_patch_within_tolerance(dtype: str) -> None:
     ditops.patch(model, precision="fast")
     out = run(model, **x)
     assert out.dtype == ref.dtype
-    assert rel_err(out, ref) <= FAST_REL_TOL
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
@@ -461,7 +443,7 @@ def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
     out = run(model, "cond", **x)
     # per block, sample 0 then 1: 512 video queries over 4 and 2 valid text keys + video
     assert shapes == [(512, 516), (512, 514)] * 4
-    assert rel_err(out, ref) < 1e-5
+    assert max_rel_err(out, ref) < 1e-5
     padded = x["encoder_attention_mask"] == 0
     noisy = x["encoder_hidden_states"].masked_fill(padded[..., None], 7.0)
     assert torch.equal(run(model, "cond", **{**x, "encoder_hidden_states": noisy}), out)
@@ -531,4 +513,4 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
         "qk_norm_rope": 2,
         "rms_norm": 4,
     }
-    assert rel_err(out, ref) <= FAST_REL_TOL
+    assert max_rel_err(out, ref) <= FAST_REL_TOL

@@ -12,7 +12,7 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.spies import spy_forward_cpu
+from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -78,21 +78,7 @@ def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.
             return model(**kw, return_dict=False)[0]
 
 
-@pytest.fixture
-def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-
-    yield from spy_forward_cpu(
-        monkeypatch,
-        (
-            adaln.AdaLNModulateOp,
-            adaln.AdaLNResidualOp,
-            adaln.AdaLNResidualModulateOp,
-            qk_norm_rope.QKNormRopeOp,
-            qk_norm_rope.RMSNormOp,
-        ),
-    )
+cpu_paths = cpu_paths_of(*HUNYUAN_OPS)  # counts the calls reaching each op's forward_cpu
 
 
 @pytest.mark.parametrize(

@@ -28,7 +28,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError
 from ditops.layers.norm import FP32LayerNorm
-from tests.integrations.spies import spy_forward_cpu
+from tests.integrations.spies import WAN_OPS, cpu_paths_of
 
 diffusers = pytest.importorskip(
     "diffusers", reason="the diffusers extra is part of the test install"
@@ -119,23 +119,7 @@ def run(model: nn.Module, step: int | None = None, **kw: object) -> torch.Tensor
             return model(**kw, return_dict=False)[0]
 
 
-@pytest.fixture
-def cpu_paths(monkeypatch: pytest.MonkeyPatch) -> dict[str, int]:
-    """Counts the calls that reach each fused op's forward_cpu (the fast path under test)."""
-    from ditops.ops import modulation_fp32 as modulation
-    from ditops.ops import qk_norm_rope
-    from ditops.ops.layer_norm import FP32LayerNormOp
-
-    yield from spy_forward_cpu(
-        monkeypatch,
-        (
-            modulation.LayerNormScaleShiftOp,
-            modulation.GatedResidualOp,
-            modulation.ScaleResidualLayerNormScaleShiftOp,
-            FP32LayerNormOp,
-            qk_norm_rope.QKNormRopeOp,
-        ),
-    )
+cpu_paths = cpu_paths_of(*WAN_OPS)  # counts the calls reaching each op's forward_cpu
 
 
 def fused_calls(blocks: int) -> dict[str, int]:
