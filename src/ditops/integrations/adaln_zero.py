@@ -11,10 +11,32 @@ functions run those steps on them, in the model dtype, the same operations as di
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import nn
+
+DIFFUSERS_042 = "diffusers 0.42"
+
+
+def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
+    """The adaLN-Zero norms FLUX and HunyuanVideo share, whose arithmetic the fused blocks
+    reproduce, with the fingerprints of the versions checked (see each family's
+    ``relied_on``)."""
+    from diffusers.models import normalization
+
+    return {
+        "AdaLayerNormZero.forward": (
+            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": DIFFUSERS_042}
+        ),
+        "AdaLayerNormZeroSingle.forward": (
+            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": DIFFUSERS_042}
+        ),
+        "AdaLayerNormContinuous.forward": (
+            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": DIFFUSERS_042}
+        ),
+    }  # fmt: skip
 
 
 class AdaLNOps:

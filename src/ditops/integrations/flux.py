@@ -54,6 +54,7 @@ from typing import Any
 
 from torch import nn
 
+from ditops.integrations.adaln_zero import DIFFUSERS_042, relied_on_norms
 from ditops.integrations.base import (
     AttrSet,
     PatchError,
@@ -76,36 +77,26 @@ from ditops.integrations.flux_forwards import (
 )
 from ditops.integrations.guard import forward_wrapper_problem, install_guarded
 
-_DIFFUSERS_042 = "diffusers 0.42"
-
 
 def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
     fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
     module was checked against."""
-    from diffusers.models import embeddings, normalization
+    from diffusers.models import embeddings
     from diffusers.models.transformers import transformer_flux as tf
 
     return {
         "FluxTransformerBlock.forward": (
-            tf.FluxTransformerBlock.forward, {"89e3052fb2a6327e": _DIFFUSERS_042}
+            tf.FluxTransformerBlock.forward, {"89e3052fb2a6327e": DIFFUSERS_042}
         ),
         "FluxSingleTransformerBlock.forward": (
-            tf.FluxSingleTransformerBlock.forward, {"bdc8d269208a5dcc": _DIFFUSERS_042}
+            tf.FluxSingleTransformerBlock.forward, {"bdc8d269208a5dcc": DIFFUSERS_042}
         ),
         "FluxAttnProcessor.__call__": (
-            tf.FluxAttnProcessor.__call__, {"80975ab2f153f684": _DIFFUSERS_042}
+            tf.FluxAttnProcessor.__call__, {"80975ab2f153f684": DIFFUSERS_042}
         ),
-        "AdaLayerNormZero.forward": (
-            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": _DIFFUSERS_042}
-        ),
-        "AdaLayerNormZeroSingle.forward": (
-            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": _DIFFUSERS_042}
-        ),
-        "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": _DIFFUSERS_042}
-        ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+        **relied_on_norms(),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
     }  # fmt: skip
 
 

@@ -50,7 +50,7 @@ import torch
 from torch import nn
 
 from ditops.integrations import hunyuan_token_replace as token_replace
-from ditops.integrations.adaln_zero import ada_modulate, mlp_half
+from ditops.integrations.adaln_zero import DIFFUSERS_042, ada_modulate, mlp_half, relied_on_norms
 from ditops.integrations.base import (
     AttrSet,
     PatchOptions,
@@ -70,8 +70,6 @@ from ditops.integrations.hunyuan_attention import (
 )
 from ditops.integrations.steps import StepState, track_steps
 
-_DIFFUSERS_042 = "diffusers 0.42"
-
 
 def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
@@ -82,25 +80,17 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
 
     return {
         "HunyuanVideoTransformerBlock.forward": (
-            hv.HunyuanVideoTransformerBlock.forward, {"2905bc608785d8af": _DIFFUSERS_042}
+            hv.HunyuanVideoTransformerBlock.forward, {"2905bc608785d8af": DIFFUSERS_042}
         ),
         "HunyuanVideoSingleTransformerBlock.forward": (
-            hv.HunyuanVideoSingleTransformerBlock.forward, {"497dbbffbea40b6e": _DIFFUSERS_042}
+            hv.HunyuanVideoSingleTransformerBlock.forward, {"497dbbffbea40b6e": DIFFUSERS_042}
         ),
         "HunyuanVideoAttnProcessor2_0.__call__": (
-            hv.HunyuanVideoAttnProcessor2_0.__call__, {"14051151be5ee86a": _DIFFUSERS_042}
+            hv.HunyuanVideoAttnProcessor2_0.__call__, {"14051151be5ee86a": DIFFUSERS_042}
         ),
-        "AdaLayerNormZero.forward": (
-            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": _DIFFUSERS_042}
-        ),
-        "AdaLayerNormZeroSingle.forward": (
-            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": _DIFFUSERS_042}
-        ),
-        "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": _DIFFUSERS_042}
-        ),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": _DIFFUSERS_042}),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": _DIFFUSERS_042}),
+        **relied_on_norms(),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
         **token_replace.relied_on(),
     }  # fmt: skip
 

@@ -23,10 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from ditops.integrations.adaln_zero import DIFFUSERS_042
 from ditops.integrations.hunyuan_video import HunyuanVideoFamily, Spec
 from ditops.integrations.hunyuan_video import relied_on as hunyuan_relied_on
 
-_DIFFUSERS_042 = "diffusers 0.42"
 _SHARED = (
     "AdaLayerNormZero.forward",
     "AdaLayerNormContinuous.forward",
@@ -44,10 +44,10 @@ def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     return {
         # the same fingerprint as HunyuanVideoTransformerBlock.forward: the same code
         "HunyuanVideo15TransformerBlock.forward": (
-            hv15.HunyuanVideo15TransformerBlock.forward, {"2905bc608785d8af": _DIFFUSERS_042}
+            hv15.HunyuanVideo15TransformerBlock.forward, {"2905bc608785d8af": DIFFUSERS_042}
         ),
         "HunyuanVideo15AttnProcessor2_0.__call__": (
-            hv15.HunyuanVideo15AttnProcessor2_0.__call__, {"a81a49107227f5da": _DIFFUSERS_042}
+            hv15.HunyuanVideo15AttnProcessor2_0.__call__, {"a81a49107227f5da": DIFFUSERS_042}
         ),
         **{name: shared[name] for name in _SHARED},
     }  # fmt: skip
