@@ -51,7 +51,8 @@ def _info(args: argparse.Namespace) -> int:
     print(
         "\nA cell names the path each op takes for tensors of that device kind (one Triton path"
         "\nserves cuda, hip and xpu); native: the meaning, no fast path exists; native*: a fast"
-        "\npath exists but cannot run here, for the reasons below."
+        "\npath exists but cannot run here, for the reasons below; a/b: a for the calls it"
+        "\ntakes (dtype, shape: --verbose says which), b for the others."
     )
     # One line per (device kind, reasons): ops sharing a backend share its reasons.
     why: dict[tuple[str, str], list[str]] = {}

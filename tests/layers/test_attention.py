@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 
 import ditops
+import ditops.ops.block_sparse_attention as bsa_op
 import tests.doubles.npu_sparse_attention  # noqa: F401 - registers the fake sparse ops
 from ditops import config
 from ditops.attention import BlockSparseConfig
@@ -142,7 +143,8 @@ def test_nan_and_inf_propagate_as_in_the_meaning(where: str) -> None:
         out = block_sparse_attention(q, k, v, mask, counts)
         decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
-    assert any("NaN or inf" in r for r in decision.candidates[0].reasons)
+    gathered = next(c for c in decision.candidates if c.path == "forward_cpu")
+    assert any("NaN or inf" in r for r in gathered.reasons)
     assert_same_non_finite(out, want, v)
 
 
@@ -235,11 +237,15 @@ def test_nan_propagates_inside_a_compiled_graph() -> None:
     assert_attention_close(clean, native_attention(clean_q, k, v, mask, counts), v)
 
 
-@pytest.mark.parametrize("kind", ["cpu", "cuda"])
-def test_causal_bf16_odd_length(kind: str) -> None:
-    q, k, v = qkv(**SHAPE_B)
+@pytest.mark.parametrize("kind", ["cpu", "cpu_flex", "cuda"])
+def test_causal_bf16_odd_length(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k, v = qkv(**SHAPE_B)  # 4097 tokens: long enough for the CPU FlexAttention path
     mask, counts = random_mask(1, 2, 33, 33, seed=2)
-    forced = ditops.force_device_kind({"cpu": kind}) if kind != "cpu" else contextlib.nullcontext()
+    if kind == "cpu":  # the gathered path, whatever this CPU has
+        monkeypatch.setattr(bsa_op, "CPU_FLEX_MIN_TOKENS", 10**9)
+    if kind == "cpu_flex":  # taken with AMX tiles; the same code runs (slower) without
+        monkeypatch.setattr(bsa_op, "amx_tiles", lambda: True)
+    forced = ditops.force_device_kind({"cpu": kind}) if kind == "cuda" else contextlib.nullcontext()
     with forced, torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts, causal=True)
         assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
@@ -266,7 +272,8 @@ def test_gradients_take_the_native_path() -> None:
     mask, counts = random_mask(1, 2, 3, 3, density=1.0)
     decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
-    assert "grad enabled" in decision.candidates[0].reasons[0]
+    gathered = next(c for c in decision.candidates if c.path == "forward_cpu")
+    assert "grad enabled" in gathered.reasons[0]
     block_sparse_attention(q, k, v, mask, counts).sum().backward()
     assert q.grad is not None and bool(q.grad.isfinite().all())
 
@@ -829,7 +836,8 @@ def test_empty_sequences_give_empty_or_zero_outputs() -> None:
         assert block_sparse_attention(q, k, v, mask, counts).shape == (1, 2, 0, 16)
         decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
         m, c = estimate_block_mask(q, k)
-    assert decision.chosen == "forward_native" and "empty" in decision.candidates[0].reasons[0]
+    assert decision.chosen == "forward_native"
+    assert all(any("empty" in r for r in c.reasons) for c in decision.candidates)
     assert m.shape == (1, 2, 0, 0) and c.shape == (1, 2, 0)
     # Queries but no keys: zeros, and an all-zero mask from the estimator.
     q = torch.randn(1, 2, 130, 16)

@@ -42,7 +42,7 @@ from ditops.attention.block_mask import (
 )
 from ditops.attention.estimate import block_scores
 from ditops.attention.layout import to_bnsd
-from ditops.bench.attention import top_blocks_mask, video_qk
+from ditops.bench.attention import video_qk
 from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention
 from ditops.kernels.flex_attention import flex_block_sparse_attention
 from ditops.ops.block_sparse_attention import block_sparse_attention
@@ -71,6 +71,14 @@ def inputs(heads: int, seq: int, dim: int, dtype: torch.dtype):
     q, k = q[:, :, :seq].contiguous(), k[:, :, :seq].contiguous()
     v = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     return q, k, v
+
+
+def top_blocks_mask(scores: torch.Tensor, keep: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """int8 mask keeping exactly ``max(1, round(keep * KVb))`` top-scoring blocks per row."""
+    n = max(1, round(keep * scores.shape[-1]))
+    mask = torch.zeros(scores.shape, dtype=torch.int8, device=scores.device)
+    mask.scatter_(-1, scores.topk(n, dim=-1).indices, 1)
+    return mask, row_counts(mask)
 
 
 def masks(q: torch.Tensor, k: torch.Tensor, keep: float, kinds: list[str]):

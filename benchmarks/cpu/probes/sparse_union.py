@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 import ditops
+from ditops.bench.harness import interleaved
 from ditops.bench.video_attention import video_attention
 from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention
 
@@ -194,12 +195,7 @@ def main() -> None:
                 runs, ratios = variants(q, k, v, mask, keep, args.alpha)
                 ref = runs["gathered"]().float()
                 errs = {name: (f().float() - ref).abs().max().item() for name, f in runs.items()}
-                times: dict[str, list[float]] = {name: [] for name in runs}
-                for _ in range(args.rounds):
-                    for name, f in runs.items():
-                        t0 = time.perf_counter()
-                        f()
-                        times[name].append(time.perf_counter() - t0)
+                times = interleaved(runs, args.rounds)
                 d = statistics.median(times["dense"])
                 for name, ts in times.items():
                     med = statistics.median(ts)

@@ -104,6 +104,19 @@ def time_call(
     return statistics.median(times), min(times), len(times), statistics.median(cpu)
 
 
+def interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Wall seconds of each of ``fns`` over ``rounds`` rounds, each round calling every
+    one once in turn (on a shared machine, load that comes and goes then hits all of
+    them alike: compare within one round, or medians of ratios)."""
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
 class Progress:
     """A progress bar on stderr (tqdm when installed, plain lines otherwise)."""
 

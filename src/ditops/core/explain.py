@@ -37,14 +37,25 @@ def explain(
 
 def _cell(d: Decision) -> str:
     if d.chosen != NATIVE:
-        return d.chosen.removeprefix("forward_")
+        # Paths that refuse some calls by their arguments name what serves the rest:
+        # "cpu_flex/cpu" (the first where its per-call conditions hold, else the next).
+        usable = [c for c in d.candidates if c.usable]
+        i = next(i for i, c in enumerate(usable) if c.path == d.chosen)
+        names = [d.chosen]
+        while usable[i].per_call:
+            i += 1
+            names.append(usable[i].path if i < len(usable) else NATIVE)
+            if i == len(usable):
+                break
+        return "/".join(n.removeprefix("forward_") for n in names)
     declared = [c for c in d.candidates if c.accepts]  # a path that exists but cannot run
     return "native*" if declared else "native"
 
 
 def table(decisions: list[Decision], kinds: Iterable[str]) -> list[str]:
     """Op x device kind -> the path taken (``native*``: a fast path exists but cannot run
-    here; the reasons are listed below the table)."""
+    here; the reasons are listed below the table; ``a/b``: ``a`` for the calls it takes,
+    ``b`` for the others)."""
     kinds = list(kinds)
     ops: dict[str, dict[str, Decision]] = {}
     for d in decisions:

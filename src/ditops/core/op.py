@@ -311,7 +311,11 @@ class CustomOp(nn.Module):
         with STATE.lock:
             STATE.broken[(self.op_name, kind, spec.name)] = why
             STATE.version += 1
-        self._warn_once(backend, f"{why}; using forward_native from now on for {kind} tensors")
+        rest = [s.name for s in self._by_kind.get(kind, ()) if s is not spec]
+        after = f"the next usable of {', '.join(rest)}, else forward_native" if rest else NATIVE
+        self._warn_once(
+            backend, f"{why}; this call ran forward_native, later {kind} calls run {after}"
+        )
 
     @classmethod
     def _warn_once(cls, backend: str, message: str) -> None:
@@ -352,7 +356,7 @@ class CustomOp(nn.Module):
         usable: list[PathSpec] = []
         for spec in specs:
             reasons = cls._static_reasons(spec, kind, precision, cfg, quiet)
-            candidates.append(PathReport(spec.name, reasons, spec.accepts()))
+            candidates.append(PathReport(spec.name, reasons, spec.accepts(), spec.per_call))
             if not reasons:
                 usable.append(spec)
         chosen = usable[0].name if usable else NATIVE

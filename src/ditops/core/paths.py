@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 import torch
 
 from ditops.backends.base import Backend
-from ditops.core.checks import PRECISIONS, dtype_names
+from ditops.core.checks import FLOATS, PRECISIONS, dtype_names
 from ditops.platform import DEVICE_KINDS
 
 NATIVE = "forward_native"
@@ -49,9 +49,20 @@ class PathSpec:
             parts.append(f"dtypes {dtype_names(self.dtypes)}")
         if self.inference_only:
             parts.append("inference only (no autograd)")
+        if self.reasons is not None:
+            doc = (self.reasons.__doc__ or "").strip().split("\n\n")[0]
+            parts.append("per call: " + (" ".join(doc.split()) or self.reasons.__name__))
         if self.backend is not None:
             parts.append(f"needs {self.backend.name}")
         return ", ".join(parts)
+
+    @property
+    def per_call(self) -> bool:
+        """Whether it refuses some calls the plan cannot foresee (its own reasons, or
+        dtypes narrower than every float): then the next path may serve them."""
+        return self.reasons is not None or (
+            self.dtypes is not None and self.dtypes != frozenset(FLOATS)
+        )
 
 
 def path(
@@ -135,6 +146,7 @@ class PathReport:
     path: str
     reasons: list[str] = field(default_factory=list)
     accepts: str = ""
+    per_call: bool = False  # refuses some calls by their arguments (PathSpec.per_call)
 
     @property
     def usable(self) -> bool:
@@ -159,7 +171,13 @@ class Decision:
             "precision": self.precision,
             "chosen": self.chosen,
             "candidates": [
-                {"path": c.path, "usable": c.usable, "reasons": c.reasons, "accepts": c.accepts}
+                {
+                    "path": c.path,
+                    "usable": c.usable,
+                    "reasons": c.reasons,
+                    "accepts": c.accepts,
+                    "per_call": c.per_call,
+                }  # fmt: skip
                 for c in self.candidates
             ],
         }

@@ -1,9 +1,10 @@
 """``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the selected key blocks.
 
 Meaning (``forward_native``): :func:`ditops.attention.reference.block_sparse_attention_reference`
-(fp32, memory-bounded). Paths: ``cpu`` gathers the selected key blocks and runs SDPA on
-them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`); ``cuda``/``hip``
-through compiled FlexAttention; ``npu`` through sgl-kernel-npu's
+(fp32, memory-bounded). Paths: ``cpu`` runs compiled FlexAttention for bf16/fp16 on CPUs
+with AMX and long sequences (:func:`cpu_flex_reasons`), else gathers the selected key
+blocks and runs SDPA on them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`);
+``cuda``/``hip`` through compiled FlexAttention; ``npu`` through sgl-kernel-npu's
 ``ada_block_sparse_attention`` (:mod:`ditops.ops.attention_npu`: its limits are that
 path's reasons). Other devices run native.
 
@@ -43,6 +44,7 @@ import torch.nn.functional as F
 from ditops.attention.block_mask import num_blocks, to_flex_block_mask, validate_block_mask
 from ditops.attention.layout import to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
+from ditops.backends.inductor_cpu import INDUCTOR_CPU, amx_tiles
 from ditops.backends.triton import TRITON
 from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_flag
@@ -74,6 +76,11 @@ ATTENTION_TOLERANCE: dict[torch.dtype, tuple[float, float]] = {
 #: ``|l| * 2**-11``, which moves a softmax-weighted mean of v by up to about twice that
 #: times ``max|v|``. A CPU emulation of fp16 scores and softmax stayed within 0.3 of it.
 NPU_FP16_LOGIT_ATOL = 2.0**-10
+
+#: Shortest query sequence for which CPUs run compiled FlexAttention: compiling a new
+#: shape takes seconds (5-10 s on 2 cores), which pays off on video-length sequences
+#: only; shorter ones take the gathered-SDPA path, which compiles nothing.
+CPU_FLEX_MIN_TOKENS = 4096
 
 
 @dataclass(slots=True)
@@ -108,6 +115,29 @@ def _blocks_with_non_finite(t: torch.Tensor, block_size: int, blocks: int) -> to
     if pad:
         bad = F.pad(bad, (0, 0, 0, pad))
     return bad.reshape(*bad.shape[:2], blocks, block_size, bad.shape[3]).any(3)
+
+
+def cpu_flex_reasons(c: AttentionCall) -> list[str]:
+    """Why compiled FlexAttention does not serve this CPU call (the gathered path does).
+
+    Measured on a 2-core Xeon with AMX, bf16 ``[1, 12, 8064, 128]`` on the estimator's
+    masks (``benchmarks/cpu/probes/sparse_kernel_wan.txt``): FlexAttention 2.0x dense
+    SDPA at keep 0.25 and 1.4x at keep 0.5, the gathered path 1.2x and 0.8x; in fp32 the
+    gathered path wins (2.4x vs 1.6x), and on an AVX2 CPU without AMX too (2.5x vs 1.5x,
+    ``sparse_attention_cpu.txt``).
+    """
+    if torch.compiler.is_compiling():  # first: nothing below is traced
+        return ["inside torch.compile the gathered path (one opaque op) is traced"]
+    reasons = []
+    if not amx_tiles():
+        reasons.append("no AMX on this CPU: the gathered-SDPA path is faster here")
+    q_len = int(c.qb.shape[2])
+    if q_len < CPU_FLEX_MIN_TOKENS:
+        reasons.append(
+            f"{q_len} query tokens < CPU_FLEX_MIN_TOKENS={CPU_FLEX_MIN_TOKENS}: compiling "
+            "FlexAttention per shape (seconds) pays off on long sequences only"
+        )
+    return reasons
 
 
 @register_op("block_sparse_attention")
@@ -221,9 +251,14 @@ class BlockSparseAttentionOp(CustomOp):
         )
         return from_bnsd(out, c.layout)
 
+    # Tried first on CPU: bf16/fp16 with AMX tiles, long sequences (cpu_flex_reasons).
+    @path("cpu", backend=INDUCTOR_CPU, dtypes=HALF, inference_only=True, reasons=cpu_flex_reasons)
+    def forward_cpu_flex(self, c: AttentionCall) -> torch.Tensor:
+        return self._flex(c)
+
     # No compile: the selected key blocks are gathered and ATen's CPU flash kernel runs on
     # them (kernels/cpu/block_sparse_attention.py); against compiled FlexAttention see
-    # benchmarks/cpu/probes/sparse_attention_cpu.py.
+    # benchmarks/cpu/probes/sparse_kernel_wan.py.
     @path(dtypes=FLOATS, inference_only=True)
     def forward_cpu(self, c: AttentionCall) -> torch.Tensor:
         from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention

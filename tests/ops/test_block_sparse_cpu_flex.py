@@ -1,0 +1,131 @@
+"""block_sparse_attention on CPU: when compiled FlexAttention serves a call, when the
+gathered-SDPA path does, and what happens when FlexAttention cannot run.
+
+Whether this machine has AMX is replaced by a stand-in either way (``amx_tiles``), so the
+choice is tested the same on any CPU; the FlexAttention code itself runs (compiled) on
+every CPU, AMX or not. The numerics of the path are tested in
+``tests/layers/test_attention.py::test_causal_bf16_odd_length[cpu_flex]``.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import ditops.kernels.flex_attention as flex_kernel
+import ditops.ops.block_sparse_attention as bsa_op
+from ditops import config
+from ditops.backends.inductor_cpu import INDUCTOR_CPU
+from ditops.core.registry import reset_state
+from ditops.custom_op import BackendUnavailableError
+from ditops.ops.block_sparse_attention import CPU_FLEX_MIN_TOKENS, block_sparse_attention
+from tests.attention.helpers import random_mask
+
+LONG = CPU_FLEX_MIN_TOKENS + 1  # one partial block more than the threshold
+
+
+def inputs(seq: int, dtype: torch.dtype = torch.bfloat16):
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, seq, 32, generator=gen).to(dtype) for _ in range(3))
+    blocks = -(-seq // 128)
+    mask, counts = random_mask(1, 2, blocks, blocks, seed=3, density=0.25)
+    return q, k, v, mask, counts
+
+
+@pytest.fixture
+def amx(monkeypatch: pytest.MonkeyPatch):
+    """Set whether 'this CPU' has AMX tiles: ``amx(True)``."""
+
+    def set_amx(value: bool) -> None:
+        monkeypatch.setattr(bsa_op, "amx_tiles", lambda: value)
+
+    return set_amx
+
+
+def chosen(*args) -> str:
+    with torch.no_grad():
+        return block_sparse_attention.explain_call(*args).chosen
+
+
+def reasons_of(decision, name: str) -> list[str]:
+    return next(c for c in decision.candidates if c.path == name).reasons
+
+
+def test_bf16_long_sequence_with_amx_takes_flex(amx) -> None:
+    amx(True)
+    assert chosen(*inputs(LONG)) == "forward_cpu_flex"
+    assert chosen(*inputs(LONG, torch.float16)) == "forward_cpu_flex"
+
+
+@pytest.mark.parametrize(
+    ("case", "reason"),
+    [
+        ("no_amx", "no AMX on this CPU"),
+        ("fp32", "dtype float32 not supported"),
+        ("short", f"query tokens < CPU_FLEX_MIN_TOKENS={CPU_FLEX_MIN_TOKENS}"),
+    ],
+)
+def test_otherwise_the_gathered_path_with_the_reason(amx, case: str, reason: str) -> None:
+    amx(case != "no_amx")
+    seq = CPU_FLEX_MIN_TOKENS - 1 if case == "short" else LONG
+    args = inputs(seq, torch.float32 if case == "fp32" else torch.bfloat16)
+    with torch.no_grad():
+        decision = block_sparse_attention.explain_call(*args)
+    assert decision.chosen == "forward_cpu"
+    assert any(reason in r for r in reasons_of(decision, "forward_cpu_flex")), decision
+
+
+def test_no_cpp_compiler_refuses_flex_with_the_install_hint(
+    amx, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from torch._inductor import cpp_builder
+
+    amx(True)
+    monkeypatch.setattr(cpp_builder, "get_cpp_compiler", lambda: "no-such-cxx-ditops")
+    INDUCTOR_CPU.reset()
+    reset_state()
+    try:
+        with torch.no_grad():
+            decision = block_sparse_attention.explain_call(*inputs(LONG))
+        assert decision.chosen == "forward_cpu"
+        why = " ".join(reasons_of(decision, "forward_cpu_flex"))
+        assert "'no-such-cxx-ditops'" in why and "install a C++ compiler" in why
+    finally:
+        INDUCTOR_CPU.reset()
+        reset_state()
+
+
+def test_flex_failing_at_run_time_falls_back_then_uses_the_gathered_path(
+    amx, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    amx(True)
+    q, k, v, mask, counts = inputs(LONG)
+    calls: list[str] = []
+
+    def broken(*a, **kw):
+        calls.append("flex")
+        raise RuntimeError("C++ compile error (test double)")
+
+    monkeypatch.setattr(flex_kernel, "flex_block_sparse_attention", broken)
+    want = block_sparse_attention.forward_native(q, k, v, mask, counts)
+    reset_state()
+    try:
+        with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ditops"):
+            first = block_sparse_attention(q, k, v, mask, counts)
+            second = block_sparse_attention(q, k, v, mask, counts)
+            after = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        assert calls == ["flex"]  # tried once, then given up
+        assert torch.equal(first, want)  # the failed call ran the meaning
+        tol = bsa_op.ATTENTION_TOLERANCE[torch.bfloat16][0] * float(v.abs().max())
+        assert float((second.float() - want.float()).abs().max()) <= 2 * tol
+        assert after.chosen == "forward_cpu"
+        warned = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+        assert len(warned) == 1 and "C++ compile error" in warned[0]
+        assert "later cpu calls run the next usable of forward_cpu" in warned[0]
+        with config.override(strict=True), pytest.raises(BackendUnavailableError):
+            reset_state()
+            block_sparse_attention(q, k, v, mask, counts)
+    finally:
+        reset_state()
