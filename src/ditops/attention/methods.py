@@ -93,9 +93,10 @@ def sampled_block_scores(
     one-hot key-block indicator, so the output row *is* the mass per key block (SDPA:
     its flash kernels run it at their speed per score, several times faster on CPU than
     matmul + exp + sums; the one-hot values go ``D`` columns per call, padded to ``D``
-    so the flash kernel serves them). In ``compute_dtype`` (default q's); bf16/fp16
-    outputs round each mass to the dtype. Under ``causal`` a query block's candidates
-    are the key blocks up to its own (block level, as the selection's).
+    so the flash kernel serves them, and on CPU are not copied per head). In
+    ``compute_dtype`` (default q's); bf16/fp16 outputs round each mass to the dtype.
+    Under ``causal`` a query block's candidates are the key blocks up to its own (block
+    level, as the selection's).
     """
     batch, heads, q_len, dim = (int(s) for s in q.shape)
     kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
@@ -111,7 +112,9 @@ def sampled_block_scores(
     for c0 in range(0, kv_blocks, dim):
         c1 = min(kv_blocks, c0 + dim)
         onehot = (col_block[:, None] == torch.arange(c0, c0 + dim, device=q.device)).to(dtype)
-        v = onehot.expand(batch, kv_heads, kv_len, dim).contiguous()
+        v = onehot.expand(batch, kv_heads, kv_len, dim)
+        if q.device.type != "cpu":  # ATen's CPU flash kernel reads stride-0 heads; others untested
+            v = v.contiguous()
         mass = F.scaled_dot_product_attention(
             qs, kk, v, attn_mask=mask, scale=scale, enable_gqa=heads != kv_heads
         )
