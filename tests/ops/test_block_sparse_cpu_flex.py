@@ -129,3 +129,36 @@ def test_flex_failing_at_run_time_falls_back_then_uses_the_gathered_path(
             block_sparse_attention(q, k, v, mask, counts)
     finally:
         reset_state()
+
+
+def test_two_threads_at_once_on_a_new_shape_get_the_same_outputs(amx) -> None:
+    """Two threads reach the first (compiling) call of one shape together: each gets the
+    output one thread alone gets (Dynamo compiles under its own global lock)."""
+    import threading
+
+    amx(True)
+    q, k, v, mask, counts = inputs(LONG + 127)  # a shape no other test compiles
+    barrier = threading.Barrier(2)
+    outs: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            with torch.no_grad():
+                barrier.wait(timeout=60)
+                outs[i] = block_sparse_attention(q, k, v, mask, counts)
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    with torch.no_grad():
+        alone = block_sparse_attention(q, k, v, mask, counts)
+        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+            "forward_cpu_flex"
+        )
+    assert torch.equal(outs[0], alone) and torch.equal(outs[1], alone)
