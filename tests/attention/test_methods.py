@@ -57,7 +57,10 @@ def test_every_method_runs_the_density_asked_for(method: str, keep: float) -> No
         q, k, keep_ratio=keep, dense_blocks=2, method=method, samples=2, **SMALL
     )
     budget = block_budget(10, 10, keep_ratio=keep, dense_blocks=2, **FLAGS)
-    assert mask.sum(dim=(-1, -2)).tolist() == [[budget.total] * 4]
+    if METHODS[method][1] == "layer":  # the layer's budget: heads may differ
+        assert int(mask.sum()) == 4 * budget.total
+    else:
+        assert mask.sum(dim=(-1, -2)).tolist() == [[budget.total] * 4]
     assert bool(mask.bool()[..., forced_block_mask(10, 10, dense_blocks=2, **FLAGS)].all())
     assert torch.equal(counts, mask.sum(-1, dtype=torch.int32))
 
@@ -77,6 +80,37 @@ def test_per_head_allocation_gives_diffuse_rows_more_blocks() -> None:
     # (the 5 left over hold nothing and go to the earliest rows).
     assert int(head.sum()) == 16 and int(head[0, 0, 0].sum()) == 8
     assert bool(head[0, 0, 1:, 3].all())
+
+
+def test_per_layer_allocation_gives_diffuse_heads_more_blocks() -> None:
+    from ditops.attention.estimate import mask_from_scores
+
+    scores = torch.zeros(1, 2, 4, 8)
+    scores[:, 0] = 1.0  # head 0 diffuse: every row spreads its mass over all 8 blocks
+    scores[:, 1, :, 2] = 1.0  # head 1 sharp: each row's mass in one block
+    opts = {"threshold": 1.0, "keep_ratio": 0.25, "keep_sink": False, "keep_recent": False,
+            "causal": False, "dense_blocks": 0}  # fmt: skip
+    head, _ = mask_from_scores(scores, allocation="head", **opts)
+    layer, _ = mask_from_scores(scores, allocation="layer", **opts)
+    assert head.sum(dim=(-1, -2)).tolist() == [[8, 8]]
+    # The same 16 blocks: the sharp head needs its 4 (one per row), the diffuse one
+    # takes the other 12.
+    assert layer.sum(dim=(-1, -2)).tolist() == [[12, 4]]
+    assert bool(layer[0, 1, :, 2].all())
+    kept = lambda m: float((scores / scores.sum(-1, keepdim=True) * m).sum())  # noqa: E731
+    assert kept(layer) > kept(head)
+
+
+def test_per_layer_allocation_keeps_forced_blocks_and_the_budget_on_video_attention() -> None:
+    q, k = qk(heads=4)
+    opts = {"keep_ratio": 0.4, "dense_blocks": 2, "samples": 2, **SMALL}
+    mask, counts = estimate_block_mask_reference(q, k, method="sampled_layer", **opts)
+    head_mask, _ = estimate_block_mask_reference(q, k, method="sampled_head", **opts)
+    assert int(mask.sum()) == int(head_mask.sum())
+    assert bool(mask.bool()[..., forced_block_mask(10, 10, dense_blocks=2, **FLAGS)].all())
+    assert torch.equal(counts, mask.sum(-1, dtype=torch.int32))
+    mass = exact_block_mass(q, k, block_size=32)
+    assert float((mass * mask).sum()) >= float((mass * head_mask).sum())
 
 
 def test_the_sampled_estimate_beats_the_antidiagonal_on_video_attention() -> None:
@@ -101,6 +135,8 @@ def test_bad_methods_are_refused_saying_what_is_valid() -> None:
         BlockSparseConfig(sparsity=0.5, method="sampled_head", forced_blocks="on_top")
     with pytest.raises(ValueError, match="threshold < 1"):
         BlockSparseConfig(sparsity=0.5, method="antidiagonal_head", threshold=0.9)
+    with pytest.raises(ValueError, match="over a layer's heads; it needs forced_blocks"):
+        BlockSparseConfig(sparsity=0.5, method="sampled_layer", forced_blocks="on_top")
     q, k = qk()
     with pytest.raises(ValueError, match="method must be one of"):
         estimate_block_mask(q, k, keep_ratio=0.5, method="best", **SMALL)

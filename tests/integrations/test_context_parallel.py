@@ -25,6 +25,7 @@ and shape (~15 s each on CPU). The exchange around it does not depend on the ker
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 from collections.abc import Iterator
 from typing import Any
@@ -297,6 +298,14 @@ def ulysses_checks(refs: dict[str, Any], rank: int, world: int) -> dict[str, Any
 
         out["grad refused"] = error_of(with_grad)
 
+        # A layer-wide budget needs every head at once: refused (each rank has some).
+        layer = model_of(fp32)
+        layer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
+        ditops.patch(layer, precision="exact", attention=dataclasses.replace(
+            SPARSE, threshold=1.0, method="sampled_layer"))  # fmt: skip
+        forward(layer, 0, x)  # dense step: no estimate, runs
+        out["layer budget refused"] = error_of(lambda: forward(layer, 1, x))
+
         # 3 heads: uneven only with ulysses_anything, as diffusers. (Uneven lengths: see
         # exchange_checks; diffusers' gather of uneven shards fails on gloo.)
         cfg = ContextParallelConfig(ulysses_degree=world, ulysses_anything=True)
@@ -482,6 +491,15 @@ def test_ulysses_exact_norms_with_a_timestep_per_token(ulysses: list[dict[str, A
 def test_ulysses_sparse_is_inference_only(ulysses: list[dict[str, Any]]) -> None:
     for rank in ulysses:
         assert "inference only" in rank["grad refused"], rank["grad refused"]
+
+
+def test_ulysses_refuses_a_layer_wide_budget_saying_what_works(
+    ulysses: list[dict[str, Any]],
+) -> None:
+    for rank in ulysses:
+        why = rank["layer budget refused"]
+        assert why.startswith("ValueError") and "'sampled_layer'" in why, why
+        assert "'sampled_head'" in why, why
 
 
 def test_ulysses_uneven_heads_and_lengths_as_diffusers(ulysses: list[dict[str, Any]]) -> None:

@@ -6,7 +6,8 @@ shapes (Wan's 21 x 16 x 24 and three that no test was tuned on), 12 heads of 128
 the first frame forced; per method and ``samples`` (sampled methods), the mass kept over
 both oracles and the output error over the per-row oracle mask's.
 
-Run: ``PYTHONPATH=src python benchmarks/cpu/probes/masks_shapes.py`` (a few minutes).
+Run: ``PYTHONPATH=src python benchmarks/cpu/probes/masks_shapes.py`` (a few minutes);
+``--keep 0.15 --methods sampled,sampled_head,sampled_layer`` for other densities.
 """
 
 from __future__ import annotations
@@ -20,11 +21,21 @@ from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality,
 from ditops.ops.estimate_block_mask import estimate_block_mask
 
 RUNS = [("sampled", 1), ("sampled", 2), ("sampled", 4), ("sampled", 8), ("sampled_head", 4),
+        ("sampled_layer", 4),
         ("antidiagonal", 4), ("antidiagonal_head", 4)]  # fmt: skip
 KEEP = 0.25
 
 
 def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--keep", type=float, default=KEEP)
+    p.add_argument("--methods", default="", help="comma-separated; default: every run")
+    args = p.parse_args()
+    wanted = set(filter(None, args.methods.split(",")))
+    runs = [(m, s) for m, s in RUNS if not wanted or (m in wanted and (s == 4 or m != "sampled"))]
+    print(f"keep {args.keep}")
     print(f"{'shape':<14} {'S':>5} {'method':<18} {'samples':>7} {'/row or':>7} {'/head or':>8} "
           f"{'worst r':>7} {'rel err':>7} {'err/or':>6}")  # fmt: skip
     for name, shape in SHAPES.items():
@@ -35,9 +46,9 @@ def main() -> None:
         forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
         with torch.inference_mode():
             dense = F.scaled_dot_product_attention(qf, kf, vf)
-            for method, samples in RUNS:
+            for method, samples in runs:
                 mask, _ = estimate_block_mask(
-                    q, k, keep_ratio=KEEP, dense_blocks=ff, method=method, samples=samples
+                    q, k, keep_ratio=args.keep, dense_blocks=ff, method=method, samples=samples
                 )
                 r = mask_quality(mass, mask, qf, kf, vf, dense, forced=forced)
                 shown = samples if method.startswith("sampled") else "-"

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -141,6 +141,12 @@ def to_flex_block_mask(
 
     ``counts`` are the row sums of ``mask`` (validated by the op); the block lists are
     rebuilt from ``mask`` here.
+
+    ``mask_mod`` also says which blocks are selected (element ``(q, kv)`` is kept when
+    its block is), although compiled kernels never evaluate it on full blocks: eager
+    FlexAttention (what runs when torch.compile does not, e.g. ``TORCHDYNAMO_DISABLE=1``
+    or ``torch.compiler.set_stance("force_eager")``) reads the ``mask_mod`` only, not the
+    block lists, and would otherwise attend to every key.
     """
     from torch.nn.attention.flex_attention import BlockMask
 
@@ -158,7 +164,7 @@ def to_flex_block_mask(
         row_counts(full),
         _selected_first(full),
         BLOCK_SIZE=block_size,
-        mask_mod=_causal_mask_mod if causal else None,
+        mask_mod=_selection_mask_mod(mask[..., :kv_blocks].bool(), block_size, causal),
         seq_lengths=(q_len, kv_len),
         compute_q_blocks=False,
     )
@@ -170,10 +176,18 @@ def _selected_first(mask: torch.Tensor) -> torch.Tensor:
     return torch.argsort(mask, dim=-1, descending=True, stable=True).to(torch.int32)
 
 
-def _causal_mask_mod(
-    b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
-) -> torch.Tensor:
-    return q_idx >= kv_idx
+def _selection_mask_mod(selected: torch.Tensor, block_size: int, causal: bool) -> Any:
+    """FlexAttention ``mask_mod``: keep ``(q, kv)`` when its block is ``selected``
+    (``[B or 1, N, Qb, KVb]`` bool) and, under ``causal``, ``q >= kv``."""
+    one_batch = int(selected.shape[0]) == 1
+
+    def mask_mod(
+        b: torch.Tensor, h: torch.Tensor, q_idx: torch.Tensor, kv_idx: torch.Tensor
+    ) -> torch.Tensor:
+        keep = selected[0 if one_batch else b, h, q_idx // block_size, kv_idx // block_size]
+        return keep & (q_idx >= kv_idx) if causal else keep
+
+    return mask_mod
 
 
 def _block_sizes(length: int, block_size: int, device: torch.device) -> torch.Tensor:

@@ -152,8 +152,8 @@ def mask_from_scores(
     """Steps 4-6 and the first frame: ``(mask, counts)`` from fp32 block scores.
 
     Every path that computes the block scores itself (the Triton estimate) finishes
-    here, so the selection has one definition. ``allocation``: ``"row"`` or ``"head"``
-    (:mod:`ditops.attention.methods`; ``"head"`` under the in-budget reading only);
+    here, so the selection has one definition. ``allocation``: ``"row"``, ``"head"`` or
+    ``"layer"`` (:mod:`ditops.attention.methods`; the last two in-budget only);
     default: the selection's method's.
     """
     sel = selection_of(sel, fields)

@@ -19,7 +19,11 @@ A method is a pair (scores, allocation), named in :data:`METHODS`:
   head, spent on the blocks that add the most of their row's estimated mass over the
   whole map (:func:`select_per_head`): diffuse rows get more blocks, sharp rows fewer,
   the total per head unchanged (only the in-budget reading: ``forced_blocks="on_top"``
-  caps each row by definition).
+  caps each row by definition). ``"layer"``: the same over all the heads of the call
+  at once (:func:`select_per_layer`): heads with diffuse attention get more blocks,
+  sharp heads fewer, the total over the heads unchanged (the density asked is the
+  layer's; one head's may differ). Not under context parallelism, where each rank holds
+  some of the heads (refused there), nor on the NPU kernel (per row only).
 
 Measured on :mod:`ditops.bench.video_attention` (``ditops bench masks``): see the
 README's sparse attention section and ``benchmarks/cpu/masks.txt``.
@@ -38,7 +42,10 @@ METHODS: dict[str, tuple[str, str]] = {
     "sampled_head": ("sampled", "head"),
     "antidiagonal": ("antidiagonal", "row"),
     "antidiagonal_head": ("antidiagonal", "head"),
+    "sampled_layer": ("sampled", "layer"),
 }
+#: Allocations that spend one budget over many rows (the in-budget reading only).
+POOLED_ALLOCATIONS = ("head", "layer")
 #: The op's default (its documented XAttention meaning) and the layer's default.
 OP_DEFAULT_METHOD = "antidiagonal"
 DEFAULT_METHOD = "sampled"
@@ -54,15 +61,16 @@ def check_method(
         raise ValueError(f"{where}: method must be one of {tuple(METHODS)}, got {method!r}")
     if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
         raise ValueError(f"{where}: samples must be an int >= 1, got {samples!r}")
-    if METHODS[method][1] == "head":
+    if METHODS[method][1] in POOLED_ALLOCATIONS:
+        over = "per head" if METHODS[method][1] == "head" else "over a layer's heads"
         if forced_blocks != "in_budget":
             raise ValueError(
-                f"{where}: method {method!r} spends one budget per head; it needs "
+                f"{where}: method {method!r} spends one budget {over}; it needs "
                 f"forced_blocks='in_budget' (got {forced_blocks!r}, a per-row cap)"
             )
         if threshold < 1.0:
             raise ValueError(
-                f"{where}: method {method!r} spends the whole budget per head; threshold "
+                f"{where}: method {method!r} spends the whole budget {over}; threshold "
                 f"< 1 (got {threshold}) applies to the per-row methods only"
             )
 
@@ -142,3 +150,23 @@ def select_per_head(
     keep = torch.zeros_like(v, dtype=torch.bool).scatter_(-1, order, True)
     keep &= v >= 0
     return keep.view(scores.shape) | forced
+
+
+def select_per_layer(
+    scores: torch.Tensor, *, left: int, forced: torch.Tensor, scored: torch.Tensor
+) -> torch.Tensor:
+    """Bool ``[B, N, Qb, KVb]``: :func:`select_per_head` over all ``N`` heads of each batch
+    entry at once, ``left`` scored blocks per head on average (``N * left`` in all).
+
+    Every row's scores are normalised to its own total first, so a block's gain is the
+    share of its row's mass it adds, comparable across heads: the greedy choice keeps
+    the most estimated mass over the layer. Ties: the earlier head, row, key block.
+    """
+    b, n, qb, kvb = (int(x) for x in scores.shape)
+    keep = select_per_head(
+        scores.reshape(b, 1, n * qb, kvb),
+        left=n * left,
+        forced=forced.repeat(n, 1),
+        scored=scored.repeat(n, 1),
+    )
+    return keep.view(b, n, qb, kvb)

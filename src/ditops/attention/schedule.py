@@ -78,7 +78,10 @@ class BlockSparseConfig:
             split over the rows), ``"sampled_head"`` (the same scores, the budget spent
             over each head's whole map), ``"antidiagonal"`` (XAttention's strided
             antidiagonal scores, per row: what the Triton and NPU kernels compute; the
-            default before), ``"antidiagonal_head"``. Where a device's estimate kernel
+            default before), ``"antidiagonal_head"``, ``"sampled_layer"`` (the budget
+            spent over all heads of the call at once: the layer's density is the one
+            asked, a head's may differ; refused under context parallelism). Where a
+            device's estimate kernel
             cannot compute a method, the meaning (plain torch) runs there, with the
             reason in ``explain_call``.
         samples: query rows per block the sampled scores read (>= 1).

@@ -26,6 +26,7 @@ from ditops.attention.methods import (
     OP_DEFAULT_METHOD,
     check_method,
     select_per_head,
+    select_per_layer,
 )
 from ditops.core.checks import check_choice, check_flag, check_int
 
@@ -91,7 +92,7 @@ class BlockSelection:
 
     @property
     def allocation(self) -> str:
-        """How the method spends the budget: ``"row"`` or ``"head"``."""
+        """How the method spends the budget: ``"row"``, ``"head"`` or ``"layer"``."""
         return METHODS[self.method][1]
 
     @property
@@ -294,8 +295,9 @@ def select_in_budget(
     **fields: Any,
 ) -> torch.Tensor:
     """Bool ``[..., Qb, KVb]`` of kept blocks, forced ones included (in-budget reading):
-    the budget split over the rows (``allocation="row"``) or spent over each head's map
-    (``"head"``, :func:`ditops.attention.methods.select_per_head`)."""
+    the budget split over the rows (``allocation="row"``), spent over each head's map
+    (``"head"``, :func:`ditops.attention.methods.select_per_head`) or over all the heads
+    at once (``"layer"``, :func:`ditops.attention.methods.select_per_layer`)."""
     sel = selection_of(sel, fields)
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
@@ -305,10 +307,9 @@ def select_in_budget(
         return _forced_only(budget, q_blocks, kv_blocks, sel, dev).expand(scores.shape).clone()
     cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
     scored = cand & ~forced
-    if allocation == "head":
-        return select_per_head(
-            scores, left=budget.total - budget.forced, forced=forced, scored=scored
-        )
+    if allocation in ("head", "layer"):
+        pick = select_per_head if allocation == "head" else select_per_layer
+        return pick(scores, left=budget.total - budget.forced, forced=forced, scored=scored)
     # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
     v = scores.masked_fill(~scored | scores.isnan(), -1.0)
     order = v.argsort(dim=-1, descending=True, stable=True)

@@ -177,7 +177,7 @@ class Decision:
                     "reasons": c.reasons,
                     "accepts": c.accepts,
                     "per_call": c.per_call,
-                }  # fmt: skip
+                }
                 for c in self.candidates
             ],
         }

@@ -63,6 +63,8 @@ from typing import Any
 
 import torch
 
+from ditops.attention.methods import METHODS
+
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -171,6 +173,19 @@ def sequence_from_heads(y: torch.Tensor, shards: Shards) -> torch.Tensor:
     for part, buf, h in zip(out.split(shards.heads, dim=2), recv.split(recv_sizes), shards.heads):
         part.copy_(buf.view(b, s, h, d))
     return out
+
+
+def check_method_per_rank(method: str) -> None:
+    """Raise a ValueError when the estimate ``method`` needs every head of a layer at
+    once: under context parallelism each rank estimates the heads it holds, so such a
+    mask would differ from one process's (nothing runs before the refusal)."""
+    if METHODS[method][1] == "layer":
+        per_rank = [m for m, (_, alloc) in METHODS.items() if alloc != "layer"]
+        raise ValueError(
+            f"ditops sparse attention under context parallelism: method {method!r} spends "
+            "one budget over all heads of a layer, but each rank holds some of the heads; "
+            f"use one of {per_rank} (their masks equal one process's)"
+        )
 
 
 def attend_across_ranks(

@@ -16,7 +16,11 @@ from torch import nn
 
 from ditops.integrations.base import WrappingProcessor
 from ditops.integrations.guard import Bypass
-from ditops.integrations.parallel import attend_across_ranks, context_parallel_of
+from ditops.integrations.parallel import (
+    attend_across_ranks,
+    check_method_per_rank,
+    context_parallel_of,
+)
 from ditops.integrations.steps import StepState, runs_dense
 
 logger = logging.getLogger("ditops")
@@ -133,6 +137,8 @@ class WanSelfAttnProcessor(WrappingProcessor):
             if cp is None:
                 out = attend(query, key, value)
             else:
+                if not dense and self.sparse is not None:
+                    check_method_per_rank(self.sparse.config.method)
                 out = attend_across_ranks(cp, query, key, value, attend)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)

@@ -28,6 +28,7 @@ logger = logging.getLogger("ditops")
 RECOMPILE_LIMIT = 64
 
 _lock = threading.Lock()
+_calls = threading.RLock()
 _compiled: Any = None
 _seen: set[tuple[Any, ...]] = set()
 
@@ -81,7 +82,10 @@ def flex_block_sparse_attention(
             "ditops: compiling FlexAttention for q %s, k %s, %s on %s (once per shape)",
             list(q.shape), list(k.shape), str(q.dtype).replace("torch.", ""), q.device.type,
         )  # fmt: skip
-    with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+    # One call at a time: ``config.patch`` sets a process-wide value and restores it on
+    # exit, so a second thread inside it could lose the raised limit mid-call and run
+    # FlexAttention eagerly (slow; the block mask's mask_mod keeps that correct).
+    with _calls, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return _compiled_flex()(
             q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
             kernel_options=options,

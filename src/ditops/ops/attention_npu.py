@@ -104,8 +104,8 @@ def estimate_reasons(c: EstimateCall) -> list[str]:
         ]
     if sel.allocation != "row":
         return [
-            f"method {sel.method!r} spends one budget per head; the NPU kernel takes a budget "
-            "per row only"
+            f"method {sel.method!r} spends one budget per {sel.allocation}; the NPU kernel "
+            "takes a budget per row only"
         ]
     reasons = input_reasons(c.layout, c.q, c.k)
     reasons += block_size_reasons(c.block_size, c.stride)

@@ -1,8 +1,8 @@
 """``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the selected key blocks.
 
 Meaning (``forward_native``): :func:`ditops.attention.reference.block_sparse_attention_reference`
-(fp32, memory-bounded). Paths: ``cpu`` runs compiled FlexAttention for bf16/fp16 on CPUs
-with AMX and long sequences (:func:`cpu_flex_reasons`), else gathers the selected key
+(fp32, memory-bounded). Paths: ``cpu`` runs compiled FlexAttention for bf16 on CPUs with
+AMX and long sequences (:func:`cpu_flex_reasons`), else gathers the selected key
 blocks and runs SDPA on them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`);
 ``cuda``/``hip`` through compiled FlexAttention; ``npu`` through sgl-kernel-npu's
 ``ada_block_sparse_attention`` (:mod:`ditops.ops.attention_npu`: its limits are that
@@ -251,8 +251,10 @@ class BlockSparseAttentionOp(CustomOp):
         )
         return from_bnsd(out, c.layout)
 
-    # Tried first on CPU: bf16/fp16 with AMX tiles, long sequences (cpu_flex_reasons).
-    @path("cpu", backend=INDUCTOR_CPU, dtypes=HALF, inference_only=True, reasons=cpu_flex_reasons)
+    # Tried first on CPU: bf16 with AMX tiles, long sequences (cpu_flex_reasons). Not fp16:
+    # unmeasured (AMX-FP16 tiles exist on newer Xeons only).
+    @path("cpu", backend=INDUCTOR_CPU, dtypes=(torch.bfloat16,), inference_only=True,
+          reasons=cpu_flex_reasons)  # fmt: skip
     def forward_cpu_flex(self, c: AttentionCall) -> torch.Tensor:
         return self._flex(c)
 
