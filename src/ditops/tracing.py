@@ -6,12 +6,16 @@ installed). :func:`trace_time_constant` marks a function the way
 to set one attribute): dynamo then runs it as plain Python while tracing and puts its
 result into the graph as a constant. ``tests/test_tracing.py`` checks that the marker is
 still the one torch sets, so a torch upgrade that changes it fails loudly.
+
+:func:`traced` is ditops' one question "is this code being traced into a graph?".
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any, TypeVar
+
+import torch
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -27,3 +31,20 @@ def trace_time_constant(fn: F) -> F:
     """
     setattr(fn, MARKER, True)
     return fn
+
+
+def traced() -> bool:
+    """True when the calling code is being traced into a graph: by torch.compile's
+    dynamo (``torch.compiler.is_dynamo_compiling()``, which dynamo answers True in the
+    frames it traces and which is False everywhere else) or by export's non-strict
+    tracing.
+
+    Not ``torch.compiler.is_compiling()``: that is one flag for the whole process, True
+    while *any* thread compiles, so an eager call in another thread would take the
+    traced branches (trace-time dispatch, no non-finite check, eager FlexAttention).
+    ``tests/test_tracing_threads.py`` holds the cases.
+    """
+    if torch.compiler.is_dynamo_compiling():
+        return True
+    non_strict = getattr(torch.compiler, "_is_non_strict_tracing", None)
+    return bool(non_strict()) if non_strict is not None else False

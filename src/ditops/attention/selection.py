@@ -29,6 +29,7 @@ from ditops.attention.methods import (
     select_per_layer,
 )
 from ditops.core.checks import check_choice, check_flag, check_int
+from ditops.tracing import traced
 
 #: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
 #: (ditops), or a per-row cap on scored blocks with forced blocks on top (sglang).
@@ -236,11 +237,7 @@ def _forced_only(
     key += (sel.keep_recent, sel.causal)
     # Dynamo cannot trace a logging call (a graph break, an error under fullgraph): a
     # compiled call stays quiet and the first eager one warns.
-    if (
-        budget.forced > budget.total
-        and key not in _WARNED_FORCED_ONLY
-        and not torch.compiler.is_compiling()
-    ):
+    if budget.forced > budget.total and key not in _WARNED_FORCED_ONLY and not traced():
         _WARNED_FORCED_ONLY.add(key)
         logger.warning(
             "ditops block-sparse attention: the forced blocks (first frame: %d block rows "

@@ -46,6 +46,7 @@ from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec, runner
 from ditops.core.registry import STATE, finite, registered_ops
 from ditops.core.traced import run_traced
 from ditops.platform import device_kind
+from ditops.tracing import traced
 
 logger = logging.getLogger("ditops")
 
@@ -220,7 +221,7 @@ class CustomOp(nn.Module):
                 return early
         tensors = call.tensors()  # once: the device kind and every path's checks read them
         kind = device_kind(tensors[0]) if tensors else "cpu"
-        if torch.compiler.is_compiling():
+        if traced():
             return run_traced(self, kind, call, precision or self._precision)
         plan = self._plan(kind, precision or self._precision)
         for spec, fn in plan.paths:
@@ -293,7 +294,7 @@ class CustomOp(nn.Module):
             and not reasons
             and kind == "cpu"  # elsewhere mend_non_finite, after the path: no host sync
             and self._guards(spec, kind)
-            and not torch.compiler.is_compiling()  # traced: a torch.cond instead
+            and not traced()  # traced: a torch.cond instead
             and not bool(finite(self._guarded(call)))
         ):
             reasons.append(NON_FINITE_REASON)

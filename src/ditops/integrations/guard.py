@@ -21,11 +21,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
 from ditops.integrations.base import ForwardSwap, PatchRecord
+from ditops.tracing import traced
 
 logger = logging.getLogger("ditops")
 
@@ -155,7 +155,7 @@ def guarded_forward(
     reason = bypass.problem(module)
     if reason is None:
         return fused(module, ops, *args, **kwargs)
-    if not torch.compiler.is_compiling():
+    if not traced():
         note_unfused(module, reason)
     return type(module).forward(module, *args, **kwargs)
 

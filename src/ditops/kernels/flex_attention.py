@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
+from ditops.tracing import traced
+
 logger = logging.getLogger("ditops")
 
 # Distinct shapes one process may compile before torch.compile would give up and run
@@ -61,7 +63,7 @@ def flex_block_sparse_attention(
     if q.device.type == "cpu" and not needs_mask_mod:
         options = {"SKIP_MASK_SCORE": True}
     enable_gqa = q.shape[1] != k.shape[1]
-    if torch.compiler.is_compiling():
+    if traced():
         # Inside a user's torch.compile: traced into their graph.
         return flex_attention(
             q,

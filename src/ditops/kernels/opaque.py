@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from ditops.tracing import traced
+
 
 def opaque_op(name: str) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: register ``fn`` as custom op ``name`` (no mutated args).
@@ -30,7 +32,7 @@ def opaque_op(name: str) -> Callable[[Callable[..., Any]], Any]:
 
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
-            if torch.compiler.is_compiling():
+            if traced():
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 

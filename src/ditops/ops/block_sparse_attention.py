@@ -61,6 +61,7 @@ from ditops.ops.attention_args import (
 )
 from ditops.ops.attention_npu import NPU_ATTENTION, attention_reasons, npu_attention
 from ditops.platform import device_kind
+from ditops.tracing import traced
 
 #: ``fast`` tolerance of block_sparse_attention against native, per output dtype:
 #: ``|out - native| <= atol * max|v| + rtol * |native|`` (about 1 ulp of max|v| in bf16;
@@ -126,7 +127,7 @@ def cpu_flex_reasons(c: AttentionCall) -> list[str]:
     gathered path wins (2.4x vs 1.6x), and on an AVX2 CPU without AMX too (2.5x vs 1.5x,
     ``sparse_attention_cpu.txt``).
     """
-    if torch.compiler.is_compiling():  # first: nothing below is traced
+    if traced():  # first: nothing below is traced
         return ["inside torch.compile the gathered path (one opaque op) is traced"]
     reasons = []
     if not amx_tiles():
@@ -190,7 +191,7 @@ class BlockSparseAttentionOp(CustomOp):
             heads=int(qb.shape[1]),
             q_blocks=num_blocks(int(qb.shape[2]), block_size),
             kv_blocks=num_blocks(int(kb.shape[2]), block_size),
-            check_values=device_kind(mask) == "cpu" and not torch.compiler.is_compiling(),
+            check_values=device_kind(mask) == "cpu" and not traced(),
         )
         return AttentionCall(q, k, v, mask, counts, layout, scale, causal, block_size)
 

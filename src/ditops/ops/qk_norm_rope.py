@@ -107,6 +107,7 @@ from ditops.core.paths import path
 from ditops.kernels.npu import qk_norm_rope as npu_kernels
 from ditops.ops import qk_norm_rope_args as args
 from ditops.ops.qk_norm_rope_args import NormCall, QKCall, RopeCall
+from ditops.tracing import traced
 
 #: Widest norm row (elements) the Triton kernels hold in registers.
 TRITON_MAX_ROW = 16384
@@ -217,7 +218,7 @@ def npu_rotary_reasons(
         )
     if x.numel() == 0:
         reasons.append("an empty input: torch_npu.npu_rotary_mul takes positive dims only")
-    if not reasons and not torch.compiler.is_compiling() and not _unit_range(cos3, sin3):
+    if not reasons and not traced() and not _unit_range(cos3, sin3):
         reasons.append(
             "cos/sin outside [-1, 1]: torch_npu.npu_rotary_mul documents tables within it"
         )
