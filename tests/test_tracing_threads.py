@@ -73,3 +73,16 @@ def test_an_eager_sparse_call_keeps_its_non_finite_rule_and_compiled_flex(
         out = block_sparse_attention(q, k, v, mask, counts)
     want = block_sparse_attention.forward_native(q, k, v, mask, counts)
     assert torch.equal(out.isnan(), want.isnan()) and bool(want.isnan().any())
+
+
+def test_no_module_asks_the_process_wide_flag() -> None:
+    """Every "am I traced?" goes through ditops.tracing.traced()."""
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src" / "ditops"
+    offenders = [
+        str(p.relative_to(src))
+        for p in src.rglob("*.py")
+        if p.name != "tracing.py" and "compiler.is_compiling()" in p.read_text()
+    ]
+    assert not offenders, offenders
