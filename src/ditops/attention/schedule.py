@@ -81,9 +81,8 @@ class BlockSparseConfig:
             default before), ``"antidiagonal_head"``, ``"sampled_layer"`` (the budget
             spent over all heads of the call at once: the layer's density is the one
             asked, a head's may differ; refused under context parallelism). Where a
-            device's estimate kernel
-            cannot compute a method, the meaning (plain torch) runs there, with the
-            reason in ``explain_call``.
+            device's estimate kernel cannot compute a method, the meaning (plain torch)
+            runs there, with the reason in ``explain_call``.
         samples: query rows per block the sampled scores read (>= 1).
     """
 

@@ -24,6 +24,7 @@ from ditops.attention.methods import (
     DEFAULT_SAMPLES,
     METHODS,
     OP_DEFAULT_METHOD,
+    POOLED_ALLOCATIONS,
     check_method,
     select_per_head,
     select_per_layer,
@@ -304,7 +305,7 @@ def select_in_budget(
         return _forced_only(budget, q_blocks, kv_blocks, sel, dev).expand(scores.shape).clone()
     cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
     scored = cand & ~forced
-    if allocation in ("head", "layer"):
+    if allocation in POOLED_ALLOCATIONS:
         pick = select_per_head if allocation == "head" else select_per_layer
         return pick(scores, left=budget.total - budget.forced, forced=forced, scored=scored)
     # Scores are masses (>= 0): -1 ranks unscored blocks and NaN last, never kept.
