@@ -22,10 +22,9 @@ import ditops.attention.estimate as estimate_module
 import ditops.attention.methods as methods
 import ditops.ops.estimate_block_mask as op_module
 from ditops.attention.block_mask import num_blocks
-from ditops.attention.selection import forced_block_mask
 from ditops.bench.harness import interleaved
-from ditops.bench.masks import FLAGS, first_frame_blocks
-from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
+from ditops.bench.masks import MaskReference
+from ditops.bench.video_attention import SHAPES, video_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
 
 ORIGINAL = methods.sampled_block_scores
@@ -75,16 +74,12 @@ def main() -> None:
               f"{'err/or':>6}")  # fmt: skip
         for name, shape in SHAPES.items():
             q, k, v = video_attention(*shape, dtype=torch.bfloat16)
-            qf, kf, vf = q.float(), k.float(), v.float()
-            mass = exact_block_mass(qf, kf)
-            blocks, ff = int(mass.shape[-1]), first_frame_blocks(shape)
-            forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+            ref = MaskReference.of(q, k, v, shape)
             with torch.inference_mode():
-                dense = F.scaled_dot_product_attention(qf, kf, vf)
                 for variant in VARIANTS:
                     MODE[0] = variant
-                    mask, _ = estimate_block_mask(q, k, dense_blocks=ff, **opts)
-                    r = mask_quality(mass, mask, qf, kf, vf, dense, forced=forced)
+                    mask, _ = estimate_block_mask(q, k, dense_blocks=ref.first_frame, **opts)
+                    r = ref.quality(mask)
                     print(f"{name:<6} {variant[0] + ' ' + str(variant[1]):<9} "
                           f"{r.mass_vs_row:>7.3f} {r.mass_vs_head:>8.3f} "
                           f"{r.worst_head_vs_row:>7.3f} {r.err_vs_row_oracle:>6.2f}",

@@ -13,11 +13,9 @@ Run: ``PYTHONPATH=src python benchmarks/cpu/probes/masks_shapes.py`` (a few minu
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
-from ditops.attention.selection import forced_block_mask
-from ditops.bench.masks import FLAGS, first_frame_blocks
-from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
+from ditops.bench.masks import MaskReference
+from ditops.bench.video_attention import SHAPES, video_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
 
 RUNS = [("sampled", 1), ("sampled", 2), ("sampled", 4), ("sampled", 8), ("sampled_head", 4),
@@ -40,17 +38,14 @@ def main() -> None:
           f"{'worst r':>7} {'rel err':>7} {'err/or':>6}")  # fmt: skip
     for name, shape in SHAPES.items():
         q, k, v = video_attention(*shape, dtype=torch.bfloat16)
-        qf, kf, vf = q.float(), k.float(), v.float()
-        mass = exact_block_mass(qf, kf)
-        blocks, ff = int(mass.shape[-1]), first_frame_blocks(shape)
-        forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+        ref = MaskReference.of(q, k, v, shape)
         with torch.inference_mode():
-            dense = F.scaled_dot_product_attention(qf, kf, vf)
             for method, samples in runs:
                 mask, _ = estimate_block_mask(
-                    q, k, keep_ratio=args.keep, dense_blocks=ff, method=method, samples=samples
-                )
-                r = mask_quality(mass, mask, qf, kf, vf, dense, forced=forced)
+                    q, k, keep_ratio=args.keep, dense_blocks=ref.first_frame, method=method,
+                    samples=samples,
+                )  # fmt: skip
+                r = ref.quality(mask)
                 shown = samples if method.startswith("sampled") else "-"
                 print(f"{name + ' ' + 'x'.join(map(str, shape)):<14} {q.shape[2]:>5} "
                       f"{method:<18} {shown:>7} {r.mass_vs_row:>7.3f} {r.mass_vs_head:>8.3f} "

@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 import sys
 from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -43,7 +44,13 @@ from ditops.attention.methods import DEFAULT_SAMPLES, METHODS
 from ditops.attention.selection import forced_block_mask
 from ditops.bench.harness import Case, variants_by_case
 from ditops.bench.suite import Suite
-from ditops.bench.video_attention import SHAPES, exact_block_mass, mask_quality, video_attention
+from ditops.bench.video_attention import (
+    SHAPES,
+    MaskQuality,
+    exact_block_mass,
+    mask_quality,
+    video_attention,
+)
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
 KEEPS = (0.5, 0.25, 0.15)
@@ -60,6 +67,47 @@ FLAGS = {"keep_sink": True, "keep_recent": True, "causal": False}
 
 def first_frame_blocks(shape: Sequence[int], block_size: int = BLOCK) -> int:
     return math.ceil(shape[1] * shape[2] / block_size)
+
+
+@dataclass(frozen=True)
+class MaskReference:
+    """What masks of one BNSD ``q, k, v`` are scored against (fp32 CPU copies): the exact
+    block masses, the forced blocks (the first frame of ``shape``, sink, recent) and the
+    dense attention output."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mass: torch.Tensor
+    forced: torch.Tensor
+    dense: torch.Tensor
+    first_frame: int
+    block_size: int
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        shape: Sequence[int],
+        block_size: int = BLOCK,
+    ) -> MaskReference:
+        qf, kf, vf = (t.float().cpu() for t in (q, k, v))
+        ff = first_frame_blocks(shape, block_size)
+        mass = exact_block_mass(qf, kf, block_size)
+        blocks = int(mass.shape[-1])
+        forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+        with torch.inference_mode():
+            dense = F.scaled_dot_product_attention(qf, kf, vf)
+        return cls(qf, kf, vf, mass, forced, dense, ff, block_size)
+
+    def quality(self, mask: torch.Tensor) -> MaskQuality:
+        """``mask`` (``[B, H, Qb, KVb]``, any device) against both oracles and dense."""
+        return mask_quality(
+            self.mass, mask.cpu(), self.q, self.k, self.v, self.dense,
+            forced=self.forced, block_size=self.block_size,
+        )  # fmt: skip
 
 
 def cases_for(
@@ -108,13 +156,8 @@ def cases_from(
     dtype = q.dtype
     q, k, v = (t.to(device) for t in (q, k, v))
     seq = int(q.shape[2])
-    ff = first_frame_blocks(shape, block_size)
-    qf, kf = q.float().cpu(), k.float().cpu()
-    mass = exact_block_mass(qf, kf, block_size)
-    blocks = int(mass.shape[-1])
-    forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
-    with torch.inference_mode():
-        dense = F.scaled_dot_product_attention(qf, kf, v.float().cpu())
+    ref = MaskReference.of(q, k, v, shape, block_size)
+    ff = ref.first_frame
     for keep in keeps:
         variants: dict[str, Any] = {}
         quality: dict[str, dict[str, float]] = {}
@@ -129,10 +172,7 @@ def cases_from(
                     "stride": stride, "method": method, "samples": samples}  # fmt: skip
             with torch.inference_mode():
                 mask, counts = estimate_block_mask(q, k, **opts)
-            quality[method] = mask_quality(
-                mass, mask.cpu(), qf, kf, v.float().cpu(), dense,
-                forced=forced, block_size=block_size,
-            ).as_dict()  # fmt: skip
+            quality[method] = ref.quality(mask).as_dict()
 
             def est(q=q, k=k, opts=opts) -> Any:
                 with torch.inference_mode():
