@@ -303,8 +303,9 @@ def ulysses_checks(refs: dict[str, Any], rank: int, world: int) -> dict[str, Any
         layer.enable_parallelism(config=ContextParallelConfig(ulysses_degree=world))
         ditops.patch(layer, precision="exact", attention=dataclasses.replace(
             SPARSE, threshold=1.0, method="sampled_layer"))  # fmt: skip
-        forward(layer, 0, x)  # dense step: no estimate, runs
+        before = forward(layer, 0, x)  # dense step: no estimate, runs
         out["layer budget refused"] = error_of(lambda: forward(layer, 1, x))
+        out["layer budget after refusal"] = diff(forward(layer, 0, x), before)  # unchanged
 
         # 3 heads: uneven only with ulysses_anything, as diffusers. (Uneven lengths: see
         # exchange_checks; diffusers' gather of uneven shards fails on gloo.)
@@ -500,6 +501,7 @@ def test_ulysses_refuses_a_layer_wide_budget_saying_what_works(
         why = rank["layer budget refused"]
         assert why.startswith("ValueError") and "'sampled_layer'" in why, why
         assert "'sampled_head'" in why, why
+        assert rank["layer budget after refusal"] == 0  # the refusal changed nothing
 
 
 def test_ulysses_uneven_heads_and_lengths_as_diffusers(ulysses: list[dict[str, Any]]) -> None:

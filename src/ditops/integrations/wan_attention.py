@@ -127,6 +127,8 @@ class WanSelfAttnProcessor(WrappingProcessor):
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
             )
+        if ours and not dense and cp is not None and self.sparse is not None:
+            check_method_per_rank(self.sparse.config.method)  # before any work
         query, key, value = self._qkv(attn, hidden_states, None)
         query, key = self._norm_rope(attn, query, key, rotary_emb, prologue)
         value = value.unflatten(2, (attn.heads, -1))
@@ -137,8 +139,6 @@ class WanSelfAttnProcessor(WrappingProcessor):
             if cp is None:
                 out = attend(query, key, value)
             else:
-                if not dense and self.sparse is not None:
-                    check_method_per_rank(self.sparse.config.method)
                 out = attend_across_ranks(cp, query, key, value, attend)
         out = out.flatten(2, 3).type_as(query)
         out = attn.to_out[0](out)
