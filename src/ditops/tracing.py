@@ -46,5 +46,10 @@ def traced() -> bool:
     """
     if torch.compiler.is_dynamo_compiling():
         return True
-    non_strict = getattr(torch.compiler, "_is_non_strict_tracing", None)
-    return bool(non_strict()) if non_strict is not None else False
+    return _non_strict_tracing is not None and bool(_non_strict_tracing())
+
+
+# Private in torch 2.13 (absent before): looked up once, not on every op call. Like
+# is_compiling(), torch keeps it as one process-wide flag, so a non-strict export in one
+# thread still reads as traced in the others; dynamo's answer above is per frame.
+_non_strict_tracing = getattr(torch.compiler, "_is_non_strict_tracing", None)
