@@ -343,6 +343,11 @@ class ModelFamily(Protocol):
 
     #: Shown in reports and errors, e.g. ``"wan"``.
     name: str
+    #: diffusers' class names of the models it patches (empty: any model); what the docs'
+    #: families table lists.
+    model_classes: tuple[str, ...]
+    #: Whether ``patch(..., attention=BlockSparseConfig(...))`` is served (else refused).
+    sparse_attention: bool
 
     def recognise(self, model: nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""

@@ -231,9 +231,11 @@ class FluxFamily:
     """diffusers' ``FluxTransformer2DModel``: fused adaLN chain and attention prologue."""
 
     name = "flux"
+    model_classes = ("FluxTransformer2DModel",)
+    sparse_attention = False
 
     def recognise(self, model: nn.Module) -> bool:
-        return type(model).__name__ == "FluxTransformer2DModel" and hasattr(
+        return type(model).__name__ in self.model_classes and hasattr(
             model, "single_transformer_blocks"
         )
 

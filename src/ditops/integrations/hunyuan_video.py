@@ -355,17 +355,18 @@ class HunyuanVideoFamily:
 
     name = "hunyuan_video"
     #: the model's class name, and a block list only that model holds
-    model_class = "HunyuanVideoTransformer3DModel"
+    model_classes: tuple[str, ...] = ("HunyuanVideoTransformer3DModel",)
     blocks_attr = "single_transformer_blocks"
     #: the processors' mask (see :class:`HunyuanVideoAttnProcessor`)
     text_mask = False
+    sparse_attention = True
 
     @staticmethod
     def spec() -> Spec:
         return _spec()
 
     def recognise(self, model: nn.Module) -> bool:
-        return type(model).__name__ == self.model_class and hasattr(model, self.blocks_attr)
+        return type(model).__name__ in self.model_classes and hasattr(model, self.blocks_attr)
 
     def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
         """Everything the patch relies on, checked before any change. Raises PatchError."""

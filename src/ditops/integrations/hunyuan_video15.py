@@ -69,7 +69,7 @@ class HunyuanVideo15Family(HunyuanVideoFamily):
     HunyuanVideo-1.5's model class, blocks and ``[B, text]`` text mask)."""
 
     name = "hunyuan_video15"
-    model_class = "HunyuanVideo15Transformer3DModel"
+    model_classes = ("HunyuanVideo15Transformer3DModel",)
     blocks_attr = "transformer_blocks"
     text_mask = True
 

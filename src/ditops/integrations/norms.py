@@ -69,6 +69,8 @@ class GenericFamily:
     """Any model: norms only."""
 
     name = "generic"
+    model_classes: tuple[str, ...] = ()  # any model
+    sparse_attention = False
 
     def recognise(self, model: nn.Module) -> bool:
         return True

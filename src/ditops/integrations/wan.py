@@ -278,13 +278,16 @@ class WanFamily:
     SkyReels-V2, ChronoEdit, Wan-Animate): fused blocks, optional sparse self-attention."""
 
     name = "wan"
+    #: Declared for the docs' families table (``ditops.docs_tables``) and ``recognise``.
+    model_classes = MODEL_CLASSES
+    sparse_attention = True
 
     def recognise(self, model: nn.Module) -> bool:
         """One of :data:`MODEL_CLASSES`, or a model whose first block's forward is one
         ditops knows (a copy under another name); :meth:`check` then fingerprints all."""
         if not isinstance(getattr(model, "blocks", None), nn.ModuleList):
             return False
-        if type(model).__name__ in MODEL_CLASSES:
+        if type(model).__name__ in self.model_classes:
             return True
         first = next(iter(model.blocks), None)  # type: ignore[arg-type]
         return first is not None and _kind_of(type(first)) is not None

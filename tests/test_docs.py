@@ -1,0 +1,104 @@
+"""The docs stay true to the code: generated tables are current, every op and family is
+listed, the families declare what they do, and the README stays a front page."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from torch import nn
+
+import ditops
+from ditops import docs_tables
+from ditops.custom_op import registered_ops
+from ditops.integrations import PatchError
+from ditops.integrations.patching import FAMILIES
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+REGENERATE = f"run `{docs_tables.COMMAND}` from the repository root and commit the result"
+
+
+@pytest.mark.parametrize("name", sorted(docs_tables.generated()))
+def test_generated_page_is_current(name: str) -> None:
+    committed = (DOCS / name).read_text() if (DOCS / name).exists() else None
+    assert committed == docs_tables.generated()[name], f"docs/{name} is stale: {REGENERATE}"
+
+
+def test_readme_families_table_is_current() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme == docs_tables.readme_with_families(readme), (
+        f"README.md's families table is stale: {REGENERATE}"
+    )
+
+
+def _rows(text: str) -> list[str]:
+    return [ln for ln in text.splitlines() if ln.startswith("| ") and not ln.startswith("| op ")]
+
+
+def test_every_registered_op_is_in_the_op_table() -> None:
+    table = (DOCS / "generated" / "ops.md").read_text()
+    listed = {re.match(r"\| `(\w+)`", row).group(1) for row in _rows(table)}  # type: ignore[union-attr]
+    assert set(registered_ops()) <= listed
+    assert "gelu_tanh_bias" in listed  # the one the hand-kept table lost
+
+
+def test_every_family_and_its_classes_are_in_the_families_tables() -> None:
+    pages = [(DOCS / "generated" / "families.md").read_text(), (ROOT / "README.md").read_text()]
+    for family in FAMILIES:
+        for text in pages:
+            assert f"| {family.name} |" in text
+            for cls in family.model_classes:
+                assert f"`{cls}`" in text
+
+
+def _models() -> dict[str, nn.Module]:
+    """A tiny model per family (diffusers' classes, random weights, no download)."""
+    pytest.importorskip("diffusers")
+    from tests.integrations.test_diffusers_flux import tiny_flux
+    from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
+    from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
+    from tests.integrations.test_diffusers_wan import tiny_wan
+
+    return {
+        "wan": tiny_wan(keep_fp32=True),
+        "flux": tiny_flux(),
+        "hunyuan_video": tiny_hunyuan(),
+        "hunyuan_video15": tiny_model(),
+        "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
+    }
+
+
+def test_families_do_what_they_declare() -> None:
+    """The families table reads ``model_classes`` and ``sparse_attention``: a model of
+    each class is recognised by its family, and sparse attention is patched or refused
+    as declared."""
+    models = _models()
+    assert set(models) == {f.name for f in FAMILIES}, "add a tiny model for the new family"
+    config = ditops.BlockSparseConfig(sparsity=0.5)
+    for family in FAMILIES:
+        model = models[family.name]
+        assert family.recognise(model)
+        assert not family.model_classes or type(model).__name__ in family.model_classes
+        if family.sparse_attention:
+            ditops.patch(model, attention=config)
+            ditops.unpatch(model)
+        else:
+            with pytest.raises(PatchError, match="sparse attention"):
+                ditops.patch(model, attention=config)
+
+
+def test_knobs_are_read_in_config_only() -> None:
+    """Every DITOPS_* variable is read in ditops/config.py, so the knobs table is whole."""
+    reads = re.compile(r"(?:environ(?:\.get)?\s*[\[(]|getenv\()\s*[\"'](DITOPS_\w+)")
+    elsewhere = [
+        f"{path.relative_to(ROOT)} reads {name}"
+        for path in (ROOT / "src" / "ditops").rglob("*.py")
+        if path.name != "config.py"
+        for name in reads.findall(path.read_text())
+    ]
+    assert not elsewhere, "read knobs in ditops/config.py and document them there: " + str(
+        elsewhere
+    )
+    assert {v for v, _ in docs_tables.knobs()} >= {"DITOPS_CUSTOM_OPS", "DITOPS_STRICT"}
