@@ -102,3 +102,25 @@ def test_knobs_are_read_in_config_only() -> None:
         elsewhere
     )
     assert {v for v, _ in docs_tables.knobs()} >= {"DITOPS_CUSTOM_OPS", "DITOPS_STRICT"}
+
+
+def test_every_public_name_is_in_the_api_reference() -> None:
+    page = (DOCS / "api.md").read_text()
+    shown = set(re.findall(r"^::: ditops\.(\w+)$", page, flags=re.M))
+    missing = sorted(set(ditops.__all__) - shown)
+    assert not missing, f"add `::: ditops.NAME` to docs/api.md for {missing}"
+
+
+#: The README opens with these, unchanged: the main job, then the tests.
+MAIN_JOB = "pip install torch==2.13.0 && pip install -e '.[bench]' && ditops bench"
+TESTS = "pip install torch==2.13.0 && pip install -e '.[test]' && python -m pytest -q"
+
+
+def test_readme_is_a_front_page() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert readme.startswith(f"# ditops\n\n```bash\n{MAIN_JOB}\n```\n```bash\n{TESTS}\n```\n")
+    lines = len(readme.splitlines())
+    assert lines <= 250, f"README.md has {lines} lines: move details into docs/"
+    assert len(readme) <= 16_000, f"README.md has {len(readme)} characters: move details"
+    for page in re.findall(r"\]\((docs/[\w/-]+\.md)", readme):
+        assert (ROOT / page).exists(), f"README.md links to {page}, which does not exist"
