@@ -70,6 +70,7 @@ def _models() -> dict[str, nn.Module]:
     }
 
 
+@pytest.mark.slow  # builds a tiny model of each family (about 10 s on 2 loaded cores)
 def test_families_do_what_they_declare() -> None:
     """The families table reads ``model_classes`` and ``sparse_attention``: a model of
     each class is recognised by its family, and sparse attention is patched or refused

@@ -64,38 +64,45 @@ def _meaning(name: str, cls: type) -> str:
     return next((line for doc in docs if (line := _first_line(doc, name))), "")
 
 
-def _path_cell(spec: PathSpec) -> str:
+_SHORT = {"torch.bfloat16": "bf16", "torch.float16": "fp16", "torch.float32": "fp32"}
+
+
+def _path_text(spec: PathSpec) -> str:
     notes = []
     if spec.backend is not None:
         notes.append(spec.backend.name)
     if spec.dtypes is not None and len(spec.dtypes) < _ALL_FLOATS:
-        notes.append("/".join(sorted(str(d).removeprefix("torch.") for d in spec.dtypes)))
+        notes.append("/".join(sorted(_SHORT.get(str(d), str(d)) for d in spec.dtypes)))
     if "exact" in spec.precisions:
         notes.append("exact too")
     return f"`{spec.name}`" + (f" ({'; '.join(notes)})" if notes else "")
 
 
+def _paths_cell(cls: type) -> str:
+    """The paths per device kind, kinds that try the same paths on one line."""
+    by_paths: dict[tuple[str, ...], list[str]] = {}
+    for kind in DEVICE_KINDS:
+        specs = cls._by_kind.get(kind, ())
+        if specs:
+            by_paths.setdefault(tuple(_path_text(s) for s in specs), []).append(kind)
+    lines = [f"{', '.join(kinds)}: {', '.join(paths)}" for paths, kinds in by_paths.items()]
+    return "<br>".join(lines) or "none: the meaning runs everywhere"
+
+
 def ops_table() -> str:
-    """One row per registered op: name, meaning, paths per device kind."""
+    """One row per registered op: name, meaning, the paths it declares per device kind."""
     ops = registered_ops()
-    kinds = [k for k in DEVICE_KINDS if any(k in cls._by_kind for cls in ops.values())]
-    lines = [
-        "| op | meaning | " + " | ".join(kinds) + " |",
-        "|---|---|" + "---|" * len(kinds),
-    ]
+    lines = ["| op | meaning | paths, per device kind |", "|---|---|---|"]
     for name in sorted(ops):
         cls = ops[name]
-        cells = [", ".join(_path_cell(s) for s in cls._by_kind.get(k, ())) or "-" for k in kinds]
-        lines.append(f"| `{name}` | {_meaning(name, cls)} | " + " | ".join(cells) + " |")
-    rest = [k for k in DEVICE_KINDS if k not in kinds]
+        lines.append(f"| `{name}` | {_meaning(name, cls)} | {_paths_cell(cls)} |")
     note = (
-        "\nA cell lists the paths tried, in order, for tensors of that device kind (`-`: "
-        "none, the meaning runs); in brackets the optional library a path needs, the dtypes "
-        "it takes when not every float, and `exact too` when it also serves exact "
-        "precision (the others serve fast only). `ditops info` says which can run here."
+        "\nThe paths are tried in the order listed, for tensors of that device kind; a "
+        "kind not listed runs the meaning (`forward_native`), and so does a call no path "
+        "takes. In brackets: the optional library a path needs, the dtypes it takes when "
+        "not every float, and `exact too` when it also serves exact precision (the others "
+        "serve fast only). `ditops info` says which can run on this machine."
     )
-    if rest:
-        note += f" No op has a path for {', '.join(rest)}: there every op runs its meaning."
     return HEADER + "\n".join(lines) + "\n" + note + "\n"
 
 
