@@ -4,4 +4,5 @@ import sys
 
 from ditops.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing the module (docs tools, inspection) runs nothing
+    sys.exit(main())

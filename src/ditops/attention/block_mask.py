@@ -2,7 +2,7 @@
 
 A block mask says, for every (batch, query head, query block), which key blocks a
 query block attends to. ditops keeps it the way the Ascend operators take it
-(``shared/docs/npu-attentions-ops.md``):
+(``docs/npu.md``, "The kernels' contract"):
 
 - ``mask``: int8 (or bool) ``[B, N, Qb, >= KVb]`` of 0/1, ``Qb = ceil(Sq / block)``,
   ``KVb = ceil(Skv / block)``; columns past ``KVb`` (the NPU pads to a multiple of 32)

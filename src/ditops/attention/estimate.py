@@ -2,7 +2,7 @@
 
 This is the meaning of the ``estimate_block_mask`` op (its ``forward_native``), written
 from the contract of the NPU operator ``attentions.sparse_block_estimate``
-(``shared/docs/npu-attentions-ops.md``), in plain PyTorch:
+(``docs/npu.md``, "The kernels' contract"), in plain PyTorch:
 
 1. **Strided antidiagonal scores.** Positions are grouped ``stride`` at a time. Keys are
    reversed inside each group, so one matmul of the ``[S / stride, stride * D]`` views

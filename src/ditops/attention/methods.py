@@ -25,8 +25,8 @@ A method is a pair (scores, allocation), named in :data:`METHODS`:
   layer's; one head's may differ). Not under context parallelism, where each rank holds
   some of the heads (refused there), nor on the NPU kernel (per row only).
 
-Measured on :mod:`ditops.bench.video_attention` (``ditops bench masks``): see the
-README's sparse attention section and ``benchmarks/cpu/masks.txt``.
+Measured on :mod:`ditops.bench.video_attention` (``ditops bench masks``): see
+``docs/sparse-attention.md``, benchmarks/README.md and ``benchmarks/cpu/masks.txt``.
 """
 
 from __future__ import annotations

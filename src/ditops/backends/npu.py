@@ -2,7 +2,7 @@
 
 sgl-kernel-npu (github.com/sgl-project/sgl-kernel-npu) has shipped the kernels ditops
 calls in two package layouts, and both are in the field (the contract of each operator
-is in ``shared/docs/npu-attentions-ops.md``):
+is in ``docs/npu.md``, "The kernels' contract"):
 
 * **current**: the ``sgl_kernel_npu`` wheel. ``import sgl_kernel_npu`` (which imports
   ``torch_npu``) loads ``libsgl_kernel_npu.so``, registering
