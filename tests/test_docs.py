@@ -40,7 +40,8 @@ def _rows(text: str) -> list[str]:
 def test_every_registered_op_is_in_the_op_table() -> None:
     table = (DOCS / "generated" / "ops.md").read_text()
     listed = {re.match(r"\| `(\w+)`", row).group(1) for row in _rows(table)}  # type: ignore[union-attr]
-    assert set(registered_ops()) <= listed
+    shipped = {n for n, c in registered_ops().items() if c.__module__.startswith("ditops.")}
+    assert shipped <= listed  # (tests register toy ops of their own: not listed)
     assert "gelu_tanh_bias" in listed  # the one the hand-kept table lost
 
 
