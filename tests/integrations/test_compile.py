@@ -91,3 +91,53 @@ def test_sparse_fullgraph_at_a_new_resolution_and_either_cpu_estimate(
         x = inputs(frames=4, hw=hw)
         got = run(compiled, step=1, **x)
         assert torch.equal(got, run(model, step=1, **x))
+
+
+# --- issue 25, item 7: sparse attention at new resolutions, scored selections --------------
+
+#: (frames, height = width) of latents whose budget is *not* the forced blocks alone (so
+#: the blocks are scored and the budget split over the rows: where the sort of SymInt
+#: keys failed): 16, 24, 36 and 19 blocks of 32 (the last one partial). The second
+#: changes the frames (dynamo makes that size dynamic), the third the height and width.
+SCORED_SHAPES = ((8, 16), (12, 16), (8, 24), (6, 20))
+
+
+def _budget_is_scored(frames: int, hw: int, cfg: BlockSparseConfig) -> bool:
+    from ditops.attention.block_mask import num_blocks
+    from ditops.attention.schedule import first_frame_dense_blocks
+    from ditops.attention.selection import block_budget
+
+    blocks = num_blocks(frames * (hw // 2) ** 2, cfg.block_size)
+    dense = first_frame_dense_blocks((1, 4, frames, hw, hw), (1, 2, 2), cfg.block_size)
+    budget = block_budget(blocks, blocks, keep_ratio=cfg.keep_ratio, dense_blocks=dense)
+    return not budget.forced_only
+
+
+@pytest.mark.parametrize("method", ["sampled", "antidiagonal_head"])
+def test_sparse_fullgraph_scores_blocks_at_several_resolutions(
+    method: str, as_in_a_fresh_process: None
+) -> None:
+    cfg = BlockSparseConfig(
+        sparsity=0.5, skip_first_steps=1, block_size=32, stride=4, method=method
+    )
+    assert all(_budget_is_scored(f, hw, cfg) for f, hw in SCORED_SHAPES)
+    model = tiny_wan(keep_fp32=True)
+    ditops.patch(model, precision="exact", attention=cfg)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    for frames, hw in SCORED_SHAPES:
+        x = inputs(frames=frames, hw=hw)
+        got = run(compiled, step=1, **x)
+        assert torch.equal(got, run(model, step=1, **x)), (frames, hw)
+
+
+def test_compiled_before_the_sparse_patch_then_a_new_shape(as_in_a_fresh_process: None) -> None:
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=32, stride=4)
+    model = tiny_wan(keep_fp32=True)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    run(compiled, step=1, **inputs(frames=8, hw=16))  # traced unpatched
+    ditops.patch(compiled, precision="exact", attention=cfg)
+    eager = tiny_wan(keep_fp32=True)
+    ditops.patch(eager, precision="exact", attention=cfg)
+    for frames, hw in SCORED_SHAPES[:3]:
+        x = inputs(frames=frames, hw=hw)
+        assert torch.equal(run(compiled, step=1, **x), run(eager, step=1, **x)), (frames, hw)
