@@ -25,6 +25,7 @@ from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_block
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 def dense_attention(
@@ -137,6 +138,7 @@ class BlockSparseAttention(nn.Module):
         mask is reused; ``dense_blocks`` overrides the layer's for this call (a
         caller serving several videos at once passes each its own)."""
         cfg = self.config
+        self.check_fullgraph()
         step = self.step if step is None else step
         if cfg.dense_at(step):
             return dense_attention(q, k, v, layout=layout, scale=scale, causal=cfg.causal)
@@ -155,6 +157,14 @@ class BlockSparseAttention(nn.Module):
             causal=cfg.causal,
             block_size=cfg.block_size,
         )
+
+    def check_fullgraph(self) -> None:
+        """Under a ``torch.compile(..., fullgraph=True)`` trace, refuse mask reuse
+        (``estimate_every > 1``: its bookkeeping runs eagerly, a graph break) with an
+        error that says what to change. Callers that decide dense or sparse themselves
+        (the model integrations) call it on every step, so a dense step refuses too."""
+        if self.config.estimate_every > 1 and traced():
+            refuse_under_fullgraph(_reuse_breaks_the_graph(self.config.estimate_every))
 
     def _estimate(
         self,
@@ -257,6 +267,16 @@ class BlockSparseAttention(nn.Module):
 _EAGER_KEPT_OR_NEW: Any = None
 
 
+def _reuse_breaks_the_graph(every: int | None) -> str:
+    asked = "estimate_every > 1" if every is None else f"estimate_every={every}"
+    return (
+        f"ditops: sparse attention with mask reuse (BlockSparseConfig({asked})) "
+        "cannot compile with fullgraph=True: the masks kept between steps are Python state "
+        "that runs eagerly (a graph break around each estimate). Set estimate_every=1, or "
+        "compile with fullgraph=False."
+    )
+
+
 def _eager_kept_or_new_mask() -> Any:
     """``BlockSparseAttention._kept_or_new_mask`` under ``torch.compiler.disable``.
 
@@ -269,7 +289,9 @@ def _eager_kept_or_new_mask() -> Any:
     """
     global _EAGER_KEPT_OR_NEW
     if _EAGER_KEPT_OR_NEW is None:
-        _EAGER_KEPT_OR_NEW = torch.compiler.disable(BlockSparseAttention._kept_or_new_mask)
+        _EAGER_KEPT_OR_NEW = torch.compiler.disable(
+            BlockSparseAttention._kept_or_new_mask, reason=_reuse_breaks_the_graph(None)
+        )
     return _EAGER_KEPT_OR_NEW
 
 
