@@ -60,8 +60,9 @@ def test_inductor_bf16_on_an_amx_cpu_warns_once(
         (False, "inductor", torch.bfloat16),  # no AMX (this EPYC: right, 0.0078 from eager)
         (True, "aot_eager", torch.bfloat16),  # the workaround
         (True, "inductor", torch.float32),  # not the dtype that failed
+        (True, "inductor", torch.float16),
     ],
-    ids=["no_amx", "aot_eager", "fp32"],
+    ids=["no_amx", "aot_eager", "fp32", "fp16"],
 )
 def test_other_combinations_stay_quiet(
     amx: bool, backend: str, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch, warnings_seen

@@ -88,11 +88,12 @@ def _compiling_backend() -> str:
 
 
 @trace_time_constant
-def warn_if_known_to_fail(device_type: str, low_precision: bool) -> bool:
+def warn_if_known_to_fail(device_type: str, bf16: bool) -> bool:
     """At trace time, when a ditops kernel is put into a graph: warn once per process
-    when that graph is for inductor on a CPU with AMX tiles and the call is bf16/fp16
-    (:data:`KNOWN_ISSUE`). Returns whether it warned now (a trace-time constant)."""
-    if _warned_known_issue or device_type != "cpu" or not low_precision:
+    when that graph is for inductor on a CPU with AMX tiles and the call is bf16 (where
+    it failed: :data:`KNOWN_ISSUE`). Returns whether it warned now (a trace-time
+    constant)."""
+    if _warned_known_issue or device_type != "cpu" or not bf16:
         return False
     if _compiling_backend() != "inductor" or not amx_tiles():
         return False

@@ -20,8 +20,6 @@ import torch
 from ditops.backends.inductor_cpu import warn_if_known_to_fail
 from ditops.tracing import traced
 
-_LOW_PRECISION = (torch.bfloat16, torch.float16)
-
 
 def opaque_op(name: str) -> Callable[[Callable[..., Any]], Any]:
     """Decorator: register ``fn`` as custom op ``name`` (no mutated args).
@@ -38,7 +36,7 @@ def opaque_op(name: str) -> Callable[[Callable[..., Any]], Any]:
             if traced():
                 first = next((a for a in args if isinstance(a, torch.Tensor)), None)
                 if first is not None:
-                    warn_if_known_to_fail(first.device.type, first.dtype in _LOW_PRECISION)
+                    warn_if_known_to_fail(first.device.type, first.dtype == torch.bfloat16)
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 
