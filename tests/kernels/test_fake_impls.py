@@ -32,6 +32,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.custom_op import reset_state
 
 Call = tuple[Any, tuple[Any, ...], dict[str, Any]]
+pytestmark = pytest.mark.slow  # four model forwards, Triton's interpreter for two
 
 
 class _Recorder(TorchDispatchMode):
