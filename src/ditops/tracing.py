@@ -71,8 +71,11 @@ def refuse_under_fullgraph(message: str) -> bool:
     """
     from torch._dynamo import symbolic_convert, utils  # traced() holds: dynamo is loaded
 
-    tx = getattr(symbolic_convert.InstructionTranslator, "current_tx", lambda: None)()
-    strict = getattr(utils, "_get_error_on_graph_break", lambda: False)()
-    if bool(getattr(tx, "one_graph", False)) or strict:
+    try:
+        tx = symbolic_convert.InstructionTranslator.current_tx()
+        strict = bool(getattr(tx, "one_graph", False) or utils._get_error_on_graph_break())
+    except AttributeError:  # not dynamo (export's non-strict tracing), or a renamed state
+        strict = False
+    if strict:
         raise ValueError(message)
     return False
