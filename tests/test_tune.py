@@ -252,3 +252,38 @@ def test_traced_calls_keep_the_static_choice(monkeypatch: pytest.MonkeyPatch) ->
     fn = torch.compile(lambda x: toy(x) + 1, backend="eager", fullgraph=False)
     out = fn(torch.ones(4))
     assert torch.equal(out, torch.full((4,), 3.0))
+
+
+def test_ditops_tune_on_a_tiny_wan_then_info_shows_the_choices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], _clean: Path
+) -> None:
+    """`ditops tune` times the bench Wan's classes (a tiny one here); `ditops info` lists
+    them with their times. Exact precision: every competitor is bitwise equal, so the
+    tuned model's output is the untuned one's."""
+    pytest.importorskip("diffusers")
+    from ditops import cli
+    from ditops.bench import wan, wan_model
+
+    tiny = {
+        **wan_model.DEFAULT_CONFIG,
+        "num_attention_heads": 2,
+        "attention_head_dim": 16,
+        "text_dim": 16,
+        "freq_dim": 16,
+        "ffn_dim": 48,
+        "in_channels": 4,
+        "out_channels": 4,
+        "rope_max_seq_len": 64,
+    }
+    monkeypatch.setattr(wan_model, "DEFAULT_CONFIG", tiny)
+    monkeypatch.setattr(wan, "LATENTS", {"small": (1, 4, 2, 16, 16)})
+    monkeypatch.setattr(wan, "TEXT_TOKENS", 8)
+    monkeypatch.setenv("DITOPS_CACHE_DIR", str(_clean))
+    assert cli.main(["tune", "--precision", "exact", "--dtype", "float32"]) == 0
+    out = capsys.readouterr().out
+    assert "layer_norm_scale_shift cpu exact float32" in out and " ms" in out
+    keys = set(json.loads(tune.cache_file().read_text())["choices"])
+    assert any(k.startswith("gated_residual/cpu/exact/") for k in keys)
+    assert cli.main(["info"]) == 0
+    out = capsys.readouterr().out
+    assert "DITOPS_TUNE=on" in out and "layer_norm_scale_shift cpu exact" in out

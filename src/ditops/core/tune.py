@@ -161,6 +161,15 @@ class _Table:
 
 
 _table = _Table()
+_deciding = threading.local()
+
+
+def deciding() -> bool:
+    """Whether the calling thread is inside the tuner's choice (timing or applying a
+    tuned winner). A path's static preference (a rule written from other machines'
+    measurements, such as "compiled FlexAttention only with AMX") is a reason only
+    outside it: measurement replaces it."""
+    return getattr(_deciding, "on", False)
 
 
 def _bucket(n: int) -> int:
@@ -260,6 +269,16 @@ def choices(cfg: config.Config | None = None) -> dict[str, Choice]:
         return dict(sorted(_table.choices.items()))
 
 
+def describe(found: dict[str, Choice]) -> list[str]:
+    """Lines for people: per shape class, the winner and the times that chose it."""
+    lines = []
+    for key, c in found.items():
+        op, kind, precision, shapes = key.split("/", 3)
+        lines.append(f"  {op} {kind} {precision} {shapes}")
+        lines.append(f"      -> {c.winner.removeprefix('forward_')}: {c.why()}")
+    return lines or ["  (none yet)"]
+
+
 def forget() -> None:
     """Forget every choice in memory (the cache file stays); for tests and ``ditops tune``."""
     with _table.lock:
@@ -278,6 +297,17 @@ def dispatch(
 ) -> Any:
     """Run the call on its class's tuned winner, or time the competitors (``on``) on an
     untuned class; :data:`STATIC` when the static choice should run instead."""
+    outer = deciding()  # a path may call another op
+    _deciding.on = True
+    try:
+        return _dispatch(op, kind, plan, call, tensors)
+    finally:
+        _deciding.on = outer
+
+
+def _dispatch(
+    op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor]
+) -> Any:
     cfg = config.get()
     key = class_key(op.op_name, kind, plan.decision.precision, tensors)
     choice = lookup(key, cfg)
@@ -326,13 +356,26 @@ def _measure(
         runs.append((spec.name, functools.partial(fn, op, call)))
     if NATIVE in plan.competitors:
         runs.append((NATIVE, functools.partial(invoke, type(op)._native, op, call)))
+    # The static choice (what DITOPS_TUNE=off takes: static preferences count) runs first
+    # and its output is this call's result.
+    _deciding.on = False
+    try:
+        static = next(
+            (s for s, _ in plan.paths if not op._call_reasons(s, kind, call, tensors)), None
+        )
+    finally:
+        _deciding.on = True
+    name = static.name if static is not None else NATIVE
+    runs.sort(key=lambda r: r[0] != name)
     call.exact = plan.exact
-    first_spec, first_fn = plan.paths[0]
-    try:  # the static choice: its output is this call's result
-        result = first_fn(op, call)
-    except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
-        return op._after_failure(kind, first_spec, exc, call)
-    result = op._mended(first_spec, kind, call, result)
+    if static is None:
+        result = runs[0][1]()  # the meaning: its errors are the caller's
+    else:
+        try:
+            result = runs[0][1]()
+        except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
+            return op._after_failure(kind, static, exc, call)
+        result = op._mended(static, kind, call, result)
     alive = [runs[0]]
     for name, fn in runs[1:]:  # warm-up (a compiled path compiles here)
         try:

@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
 from ditops.kernels.cpu.modulation import rows_per_block
 from ditops.kernels.opaque import opaque_op
@@ -119,6 +120,7 @@ def _exact_only(x: Tensor, *mods: Tensor | None) -> bool:
 
 
 @opaque_op("ditops::cpu_adaln_modulate")
+@blocks.threaded
 def modulate(
     x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: float, exact: bool
 ) -> Tensor:
@@ -139,6 +141,7 @@ def _(x, scale, shift, eps, exact):
 
 
 @opaque_op("ditops::cpu_adaln_residual")
+@blocks.threaded
 def residual(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     """``residual + gate * x`` in their dtype for [B, L, C] tensors (``gate`` None: no
     gating); eager's bits in both modes."""
@@ -161,6 +164,7 @@ def _(residual, x, gate):
 
 
 @opaque_op("ditops::cpu_adaln_residual_modulate")
+@blocks.threaded
 def residual_modulate(
     residual: Tensor,
     x: Tensor,

@@ -33,10 +33,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -158,6 +161,78 @@ def layer_norm_rows(
         return torch.layer_norm(src, (src.shape[-1],), weight, bias, eps)
     layer_norm_into(work, src, weight, bias, eps, piece)
     return work
+
+
+# --- the kernels' intra-op threads ---------------------------------------------------------
+
+#: Intra-op threads the blocked kernels run with (None: the process's). See
+#: :func:`kernel_threads`.
+THREADS: int | None = 1
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@functools.cache
+def _omp() -> Any:
+    """torch's own OpenMP runtime (its ``lib/libgomp.so.1``), or None (another build)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        lib.omp_get_max_threads.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+@contextlib.contextmanager
+def kernel_threads(n: int | None = None) -> Iterator[None]:
+    """The calling thread's intra-op threads set to ``n`` (default :data:`THREADS`) inside
+    the block, restored after; other threads are not affected.
+
+    Why one thread: a blocked kernel is a chain of small ATen calls, each an OpenMP
+    parallel region ending in a barrier. On a machine whose cores are shared (another
+    process busy), each barrier waits for a descheduled worker, a scheduler slice at
+    worst, dozens of times per call: measured 0.3-0.4x the meaning in some rounds with
+    two threads, never below 5x with one (``benchmarks/cpu/busy_neighbour.txt``). The
+    kernels move each byte once, so one thread keeps most of their gain on a quiet
+    machine too. Set per thread through torch's OpenMP runtime (``omp_set_num_threads``
+    sets the calling thread's value), not ``torch.set_num_threads``, which also changes
+    the default of threads started later. Where that runtime is not found, nothing
+    changes.
+    """
+    n = THREADS if n is None else n
+    lib = _omp() if n is not None else None
+    if lib is None:
+        yield
+        return
+    torch.get_num_threads()  # torch sets a thread's OpenMP value on first use: do it first
+    old = lib.omp_get_max_threads()
+    if old == n:
+        yield
+        return
+    lib.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(old)
+
+
+def threaded(fn: F) -> F:
+    """Decorator: ``fn`` (a blocked kernel) runs inside :func:`kernel_threads`."""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with kernel_threads():
+            return fn(*args, **kwargs)
+
+    # torch.library reads the signature to infer the op's schema: give it fn's, with its
+    # annotations evaluated in fn's module (they are strings there, and this module
+    # lacks their names).
+    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
 
 
 # --- per-thread scratch ----------------------------------------------------------------
