@@ -3,7 +3,7 @@
 ditops info [--json] [--verbose] [--precision fast|exact]
 ditops tune [wan] [--size small|full] [--precision exact|fast|both] [--dtype ...] [--model PATH]
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
-             [--json PATH] [--no-progress] [--malloc both|current]
+             [--json PATH] [--no-progress] [--malloc both|current] [--busy]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
 
@@ -113,10 +113,13 @@ def _tune(args: argparse.Namespace) -> int:
     precisions = config.PRECISIONS if args.precision == "both" else (args.precision,)
     print(
         f"ditops tune: the bench Wan ({args.size}) on {device}, {dtype}, precision "
-        f"{'/'.join(precisions)}; machine {tune.fingerprint()}; load "
-        f"{os.getloadavg()[0]:.2f}",
+        f"{'/'.join(precisions)}",
         file=sys.stderr,
     )
+    from ditops.bench.load import header
+
+    for line in header():
+        print(line)
     try:
         found = tune_wan(device, args.size, precisions, dtype, args.model)
     except ModelLoadError as exc:
@@ -152,6 +155,19 @@ def _bench_argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    problem = _bench_argument_problem(args)
+    if problem:  # before any benchmark runs: minutes of work never end in a traceback
+        print(f"ditops bench: {problem}", file=sys.stderr)
+        return 2
+    if args.parallel:
+        return _bench_parallel(args)
+    from ditops.bench.load import busy_neighbour
+
+    with busy_neighbour(args.busy):
+        return _bench_suites(args)
+
+
+def _bench_suites(args: argparse.Namespace) -> int:
     from ditops.bench.harness import (
         machine_info,
         malloc_state,
@@ -161,14 +177,10 @@ def _bench(args: argparse.Namespace) -> int:
         run_cases,
         write_json,
     )
+    from ditops.bench.load import header, load_average
     from ditops.bench.suites import SUITES, get_suite
+    from ditops.core import tune
 
-    problem = _bench_argument_problem(args)
-    if problem:  # before any benchmark runs: minutes of work never end in a traceback
-        print(f"ditops bench: {problem}", file=sys.stderr)
-        return 2
-    if args.parallel:
-        return _bench_parallel(args)
     names = args.suites or ["wan"]
     models = ("wan", "flux", "hunyuan_video")
     unknown = [n for n in names if n not in SUITES and n not in models]
@@ -186,6 +198,11 @@ def _bench(args: argparse.Namespace) -> int:
     malloc = malloc_state() if device.type == "cpu" else None
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
+    payload["machine"].update(
+        fingerprint=tune.fingerprint(), load_at_start=load_average(), busy_neighbour=args.busy
+    )
+    for line in header(args.busy):
+        print(line)
     for name in names:
         if name == "wan":
             try:
@@ -257,6 +274,12 @@ def _bench(args: argparse.Namespace) -> int:
 
             payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
             qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
+    cfg = config.get()
+    tuned = tune.choices(cfg) if cfg.tune != "off" else {}
+    payload["tuned"] = {k: {"winner": c.winner, "why": c.why()} for k, c in tuned.items()}
+    print(f"\ntuned choices (DITOPS_TUNE={cfg.tune}):")
+    for line in tune.describe(tuned) if cfg.tune != "off" else ["  (off: the static order)"]:
+        print(line)
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
@@ -441,6 +464,11 @@ def build_parser() -> argparse.ArgumentParser:
         "with torchrun --nproc-per-node N -m ditops bench --parallel MODE",
     )
     bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
+    bench.add_argument(
+        "--busy",
+        action="store_true",
+        help="run with a busy neighbour: a process spinning on one core for the whole run",
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
         "--malloc",
