@@ -287,3 +287,27 @@ def test_ditops_tune_on_a_tiny_wan_then_info_shows_the_choices(
     assert cli.main(["info"]) == 0
     out = capsys.readouterr().out
     assert "DITOPS_TUNE=on" in out and "layer_norm_scale_shift cpu exact" in out
+
+
+def test_triton_launch_configs_are_tuned_within_the_tolerance() -> None:
+    """The Triton LayerNorm's launch configs compete (under TRITON_INTERPRET here: the
+    choice is not a speed claim, the mechanics are): every config gives the static one's
+    result within the fast tolerance, the choice is recorded under its shape class and
+    reused without timing."""
+    pytest.importorskip("triton")
+    from ditops.kernels.triton import layer_norm as tln
+
+    x = torch.randn(64, 96)
+    w, b = torch.randn(96), torch.randn(96)
+    with config.override(tune="off"):
+        want = tln.fp32_layer_norm(x, w, b, 1e-6)
+    got = tln.fp32_layer_norm(x, w, b, 1e-6)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    (key, choice), *_ = [(k, c) for k, c in tune.choices().items() if "config" in k]
+    assert key.startswith("triton_layer_norm/cpu/config/")
+    assert len(choice.candidates) >= 2 and choice.winner in choice.candidates
+    assert set(choice.times_ms) == set(choice.candidates)
+    with config.override(tune="cache"):  # recorded: no timing needed
+        again = tln.fp32_layer_norm(x, w, b, 1e-6)
+    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
+    assert tune.choices()[key] is choice

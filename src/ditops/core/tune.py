@@ -406,3 +406,76 @@ def _measure(
     logger.info("ditops tuning %s: %s (%s)", key, winner, choice.why())
     _save(cache_file(cfg))
     return result
+
+
+# --- kernel launch configs (Triton) --------------------------------------------------------
+
+
+def _config_name(cfg: dict[str, Any]) -> str:
+    return ",".join(f"{k}={v}" for k, v in sorted(cfg.items()))
+
+
+def launch_config(
+    kernel: str,
+    kind: str,
+    shape: tuple[int, ...],
+    configs: list[dict[str, Any]],
+    launch: Callable[[dict[str, Any]], None],
+) -> None:
+    """Launch a kernel with the fastest of ``configs`` for its shape class (``shape``
+    bucketed as tensors' dims are), as ``triton.autotune`` does, but keyed on buckets and
+    kept in the same cache file, under the same switch.
+
+    ``configs[0]`` is the static choice (``DITOPS_TUNE=off``, or ``cache`` without a
+    record). Every config must compute the call's result (within the op's tolerance:
+    fast paths only) and ``launch(cfg)`` must be safe to repeat (outputs only written).
+    When timing, each config warms up and runs :data:`ROUNDS` timed rounds; the static
+    config runs last, so the timed call's outputs are the ones ``off`` would give.
+    """
+    cfg = config.get()
+    if cfg.tune == "off" or len(configs) < 2:
+        launch(configs[0])
+        return
+    names = tuple(_config_name(c) for c in configs)
+    key = f"{kernel}/{kind}/config/[{','.join(str(_bucket(d)) for d in shape)}]"
+    choice = lookup(key, cfg)
+    if choice is not None and choice.winner in names:
+        launch(configs[names.index(choice.winner)])
+        return
+    if cfg.tune != "on":
+        launch(configs[0])
+        return
+    with _table.lock:
+        busy = key in _table.busy
+        _table.busy.add(key)
+    if busy:
+        launch(configs[0])
+        return
+    try:
+        best = dict.fromkeys(names, math.inf)
+        order = list(range(len(configs)))[::-1]  # the static config last
+        for i in order:
+            launch(configs[i])  # warm-up: compiles this config
+        for r in range(ROUNDS):
+            for i in order if r % 2 else order[::-1]:
+                _sync(kind)
+                t0 = time.perf_counter()
+                launch(configs[i])
+                _sync(kind)
+                best[names[i]] = min(best[names[i]], time.perf_counter() - t0)
+        launch(configs[0])
+        winner = min(best, key=best.__getitem__)
+        if best[names[0]] <= best[winner] * (1 + KEEP_MARGIN):
+            winner = names[0]
+        choice = Choice(
+            winner,
+            names,
+            {n: round(t * 1e3, 4) for n, t in best.items()},
+            round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0,
+        )
+        with _table.lock:
+            _table.choices[key] = choice
+        _save(cache_file(cfg))
+    finally:
+        with _table.lock:
+            _table.busy.discard(key)
