@@ -115,6 +115,7 @@ def fingerprint() -> dict[str, str]:
     }
 
 
+@functools.cache
 def fingerprint_id() -> str:
     """A short hash of :func:`fingerprint` (the cache file's name)."""
     text = json.dumps(fingerprint(), sort_keys=True)
@@ -124,10 +125,14 @@ def fingerprint_id() -> str:
 def cache_file(cfg: config.Config | None = None) -> Path:
     """The cache file for this machine under the settings' cache directory."""
     cfg = cfg or config.get()
-    if cfg.cache_dir:
-        root = Path(cfg.cache_dir).expanduser()
+    return _cache_file(cfg.cache_dir, os.environ.get("XDG_CACHE_HOME", ""))
+
+
+@functools.lru_cache(maxsize=16)
+def _cache_file(cache_dir: str, xdg: str) -> Path:
+    if cache_dir:
+        root = Path(cache_dir).expanduser()
     else:
-        xdg = os.environ.get("XDG_CACHE_HOME")
         root = (Path(xdg) if xdg else Path.home() / ".cache") / "ditops"
     return root / f"tune-{fingerprint_id()}.json"
 
