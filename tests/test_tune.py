@@ -311,3 +311,15 @@ def test_triton_launch_configs_are_tuned_within_the_tolerance() -> None:
         again = tln.fp32_layer_norm(x, w, b, 1e-6)
     torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
     assert tune.choices()[key] is choice
+
+
+def test_explain_call_names_the_tuned_winner_and_why() -> None:
+    DELAY.update(forward_cpu=0.03, native=0.03)
+    x = torch.ones(4)
+    assert toy.explain_call(x).chosen == "forward_cpu"  # nothing measured yet
+    toy(x)
+    decision = toy.explain_call(x)
+    assert decision.chosen == "forward_cpu_b"
+    assert "forward_cpu_b" not in decision.tuned and "cpu_b " in decision.tuned
+    with config.override(tune="off"):
+        assert toy.explain_call(x).chosen == "forward_cpu"

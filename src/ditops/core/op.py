@@ -417,7 +417,8 @@ class CustomOp(nn.Module):
     def explain_prepared(self, call: OpCall, precision: str | None = None) -> Decision:
         """:meth:`explain_call` for a prepared call (``precision``: as :meth:`run`)."""
         kind = self._kind(call)
-        base = self._plan(kind, precision or self._precision).decision
+        plan = self._plan(kind, precision or self._precision)
+        base = plan.decision
         candidates: list[PathReport] = []
         chosen = NATIVE
         for report in base.candidates:
@@ -428,4 +429,9 @@ class CustomOp(nn.Module):
             candidates.append(PathReport(report.path, reasons, report.accepts))
             if not reasons and chosen == NATIVE:
                 chosen = report.path
+        tuned = tune.recorded(self, kind, plan, call) if plan.competitors else None
+        if tuned is not None and (
+            tuned.winner == NATIVE or any(c.path == tuned.winner and c.usable for c in candidates)
+        ):
+            return Decision(base.op, kind, base.precision, tuned.winner, candidates, tuned.why())
         return Decision(base.op, kind, base.precision, chosen, candidates)

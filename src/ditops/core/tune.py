@@ -292,6 +292,17 @@ def forget() -> None:
         _table.warned = False
 
 
+def recorded(op: CustomOp, kind: str, plan: _Plan, call: OpCall) -> Choice | None:
+    """The choice that applies to this call's class, if one is recorded (for
+    explanations: nothing is timed)."""
+    key = class_key(op.op_name, kind, plan.decision.precision, call.tensors())
+    choice = lookup(key)
+    cfg = config.get()
+    if choice is None or (choice.candidates != plan.competitors and cfg.tune != "cache"):
+        return None
+    return choice
+
+
 def _sync(kind: str) -> None:
     if kind != "cpu":
         torch.accelerator.synchronize()
