@@ -263,18 +263,9 @@ def test_ditops_tune_on_a_tiny_wan_then_info_shows_the_choices(
     pytest.importorskip("diffusers")
     from ditops import cli
     from ditops.bench import wan, wan_model
+    from tests.bench.test_masks_bench import TINY_WAN
 
-    tiny = {
-        **wan_model.DEFAULT_CONFIG,
-        "num_attention_heads": 2,
-        "attention_head_dim": 16,
-        "text_dim": 16,
-        "freq_dim": 16,
-        "ffn_dim": 48,
-        "in_channels": 4,
-        "out_channels": 4,
-        "rope_max_seq_len": 64,
-    }
+    tiny = {**wan_model.DEFAULT_CONFIG, **TINY_WAN}
     monkeypatch.setattr(wan_model, "DEFAULT_CONFIG", tiny)
     monkeypatch.setattr(wan, "LATENTS", {"small": (1, 4, 2, 16, 16)})
     monkeypatch.setattr(wan, "TEXT_TOKENS", 8)

@@ -13,9 +13,7 @@ meaning). The load average is printed at each phase. Precision exact unless the 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
-import statistics
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -24,20 +22,8 @@ import torch
 
 from ditops import config
 from ditops.bench.harness import cpu_features
-from ditops.bench.load import busy_neighbour, header
-from ditops.kernels.cpu import blocks
-
-
-@contextlib.contextmanager
-def kernel_threads(n: int | None) -> Iterator[None]:
-    """The blocked kernels' intra-op threads (ditops.kernels.cpu.blocks.THREADS)."""
-    old = blocks.THREADS
-    blocks.THREADS = n
-    try:
-        yield
-    finally:
-        blocks.THREADS = old
-
+from ditops.bench.load import blocked_kernel_threads as kernel_threads
+from ditops.bench.load import busy_neighbour, header, ratios_to
 
 Fn = Callable[[], object]
 
@@ -117,27 +103,6 @@ def cases(only: str | None) -> Iterator[tuple[str, str, Fn, Fn]]:
         )
 
 
-def measure(fns: dict[str, Callable[[], object]], rounds: int) -> dict[str, tuple[float, float]]:
-    """Per variant: the median over rounds of the meaning's time / the variant's time in
-    that round, and the ratio of their best times."""
-    for fn in fns.values():
-        fn()
-        fn()
-    per: dict[str, list[float]] = {k: [] for k in fns}
-    best = dict.fromkeys(fns, float("inf"))
-    for i in range(rounds):
-        order = list(fns.items()) if i % 2 == 0 else list(fns.items())[::-1]
-        t: dict[str, float] = {}
-        for name, fn in order:
-            t0 = time.perf_counter()
-            fn()
-            t[name] = time.perf_counter() - t0
-            best[name] = min(best[name], t[name])
-        for name in fns:
-            per[name].append(t["native"] / t[name])
-    return {k: (statistics.median(v), best["native"] / best[k]) for k, v in per.items()}
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
@@ -169,7 +134,7 @@ def main() -> None:
                             return fast()
 
                     variants = {"native": native, "path": all_threads, "path 1t": one_thread}
-                    res = measure(variants, args.rounds)
+                    res = ratios_to("native", variants, args.rounds, warmup=2)
                 phase = "busy" if busy else "quiet"
                 print(
                     f"{name:34} {precision:5} {phase:5} {load:5.2f} {ms:9.1f} "

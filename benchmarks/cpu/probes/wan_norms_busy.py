@@ -14,33 +14,20 @@ variant time in that round, and the ratio of best times. Load average printed pe
 from __future__ import annotations
 
 import argparse
-import contextlib
 import copy
 import os
-import statistics
 import sys
-import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
 
 from ditops import config
 from ditops.bench.harness import cpu_features
-from ditops.bench.load import busy_neighbour, header
+from ditops.bench.load import blocked_kernel_threads as kernel_threads
+from ditops.bench.load import busy_neighbour, header, ratios_to
 from ditops.bench.wan import LATENTS, TEXT_TOKENS
 from ditops.bench.wan_model import build_model, make_inputs
 from ditops.integrations import patch
-from ditops.kernels.cpu import blocks
-
-
-@contextlib.contextmanager
-def kernel_threads(n: int | None) -> Iterator[None]:
-    old = blocks.THREADS
-    blocks.THREADS = n
-    try:
-        yield
-    finally:
-        blocks.THREADS = old
 
 
 def main() -> None:
@@ -78,26 +65,9 @@ def main() -> None:
     for phase in args.phases.split(","):
         with busy_neighbour(phase == "busy"):
             load = os.getloadavg()[0]
-            per: dict[str, list[float]] = {n: [] for n in fns}
-            best = dict.fromkeys(fns, float("inf"))
-            base_t: list[float] = []
-            for r in range(args.rounds):
-                order = list(fns.items()) if r % 2 == 0 else list(fns.items())[::-1]
-                t: dict[str, float] = {}
-                for name, fn in order:
-                    t0 = time.perf_counter()
-                    fn()
-                    t[name] = time.perf_counter() - t0
-                    best[name] = min(best[name], t[name])
-                base_t.append(t["unpatched"])
-                for name in fns:
-                    per[name].append(t["unpatched"] / t[name])
-        cells = " ".join(
-            f"{statistics.median(per[n]):7.2f}/{best['unpatched'] / best[n]:7.2f}x"
-            for n in fns
-            if n != "unpatched"
-        )
-        print(f"{phase:5} {load:5.2f} {statistics.median(base_t):11.2f} {cells}", flush=True)
+            res = ratios_to("unpatched", fns, args.rounds, warmup=0)
+        cells = " ".join(f"{res[n][0]:7.2f}/{res[n][1]:7.2f}x" for n in fns if n != "unpatched")
+        print(f"{phase:5} {load:5.2f} {res['unpatched'][2]:11.2f} {cells}", flush=True)
 
 
 if __name__ == "__main__":

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import contextlib
 import os
+import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 
 def load_average() -> float:
@@ -38,6 +39,46 @@ def busy_neighbour(on: bool = True) -> Iterator[None]:
     finally:
         proc.kill()
         proc.wait()
+
+
+@contextlib.contextmanager
+def blocked_kernel_threads(n: int | None) -> Iterator[None]:
+    """Run the blocked CPU kernels with ``n`` intra-op threads inside the block (None: the
+    process's), to compare threading models (:data:`ditops.kernels.cpu.blocks.THREADS`;
+    process-wide while the block runs)."""
+    from ditops.kernels.cpu import blocks
+
+    old = blocks.THREADS
+    blocks.THREADS = n
+    try:
+        yield
+    finally:
+        blocks.THREADS = old
+
+
+def ratios_to(
+    base: str, fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
+) -> dict[str, tuple[float, float, float]]:
+    """Interleaved timing against ``fns[base]``: per variant, the median over rounds of
+    base time / variant time within the round (a slow spell hits both), the ratio of
+    their best times, and the variant's median seconds. Rounds alternate their order."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    per: dict[str, list[float]] = {k: [] for k in fns}
+    secs: dict[str, list[float]] = {k: [] for k in fns}
+    for i in range(rounds):
+        order = list(fns.items()) if i % 2 == 0 else list(fns.items())[::-1]
+        for name, fn in order:
+            t0 = time.perf_counter()
+            fn()
+            secs[name].append(time.perf_counter() - t0)
+        for name in fns:
+            per[name].append(secs[base][-1] / secs[name][-1])
+    return {
+        k: (statistics.median(per[k]), min(secs[base]) / min(secs[k]), statistics.median(secs[k]))
+        for k in fns
+    }
 
 
 def header(busy: bool = False) -> list[str]:
