@@ -26,11 +26,12 @@ from ditops.core.registry import reset_state
 DELAY = {"native": 0.0, "forward_cpu": 0.0, "forward_cpu_b": 0.0}
 RAN: list[str] = []
 FAIL: set[str] = set()
+FAIL_AT: dict[str, tuple[int, ...]] = {}  # name -> its calls (1-based) that raise
 
 
 def _run(name: str, x: torch.Tensor) -> torch.Tensor:
     RAN.append(name)
-    if name in FAIL:
+    if name in FAIL or RAN.count(name) in FAIL_AT.get(name, ()):
         raise RuntimeError(f"{name} exploded")
     time.sleep(DELAY[name])
     return x * 2
@@ -75,6 +76,7 @@ def _clean(tmp_path: Path) -> Iterator[Path]:
     DELAY.update(native=0.0, forward_cpu=0.0, forward_cpu_b=0.0)
     RAN.clear()
     FAIL.clear()
+    FAIL_AT.clear()
     reset_state()
     saved = getattr(config._local, "override", None)
     config._local.override = replace(config.get(), tune="on", cache_dir=str(tmp_path))
@@ -193,6 +195,13 @@ def test_a_competitor_raising_while_timed_is_left_out() -> None:
     choice = next(iter(tune.choices().values()))
     assert "forward_cpu_b" not in choice.times_ms
     assert choice.winner in ("forward_cpu", "forward_native")
+
+
+def test_a_competitor_raising_in_a_timed_round_loses_and_the_call_goes_on() -> None:
+    FAIL_AT["forward_cpu_b"] = (2,)  # its warm-up passes, its first timed run raises
+    assert torch.equal(toy(torch.ones(4)), torch.full((4,), 2.0))
+    choice = next(iter(tune.choices().values()))
+    assert choice.winner != "forward_cpu_b"
 
 
 def test_one_competitor_is_never_timed() -> None:
