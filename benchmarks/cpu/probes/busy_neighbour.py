@@ -1,37 +1,40 @@
 """CPU paths against their meaning, quiet and with a busy neighbour, at Wan and FLUX sizes.
 
-Per case, one run interleaves (round by round, each variant once per round): the meaning
-(``native``), the CPU path called directly with the process's intra-op threads
-(``path``, ``blocks.THREADS = None``) and with one (``path 1t``, ``blocks.THREADS = 1``);
-each case first quiet, then with a spinning process started for that phase (``busy``).
-Medians of per-round ratios to the meaning of the same round (>1: faster than the
-meaning). The load average is printed at each phase. Precision exact unless the case says fast.
+Per case, one run interleaves (round by round, each variant once per round, the order
+alternating): the meaning (``native``); the CPU path called directly with the process's
+intra-op threads (``path 2t``, ``blocks.THREADS = None``, the kernels before issue 26)
+and with one (``path 1t``, ``blocks.THREADS = 1``, the default now); and the op as a
+user calls it with ``DITOPS_TUNE=on`` (``tuned``: its first call, in the warm-up, times
+path and meaning and keeps the faster). Each case first quiet, then with a spinning
+process started for that phase (``busy``). Cells: median of per-round ratios to the
+meaning / ratio of best times (>1: faster than the meaning). Load average per phase.
 
     PYTHONPATH=src python benchmarks/cpu/probes/busy_neighbour.py [--rounds 7] [--only wan]
 """
 
 from __future__ import annotations
 
+# ruff: noqa: B023 - every closure runs inside the loop iteration that made it
+
 import argparse
 import os
 import sys
-import time
-from collections.abc import Callable, Iterator
+import tempfile
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from ditops import config
-from ditops.bench.harness import cpu_features
-from ditops.bench.load import blocked_kernel_threads as kernel_threads
-from ditops.bench.load import busy_neighbour, header, ratios_to
-
-Fn = Callable[[], object]
+from ditops.bench.load import blocked_kernel_threads, busy_neighbour, header, ratios_to
+from ditops.core import tune
 
 
-def cases(only: str | None) -> Iterator[tuple[str, str, Fn, Fn]]:
+def cases(only: str | None) -> Iterator[tuple[str, str, Any, Any]]:
+    """(name, precision, op, prepared call)."""
     from ditops.ops import modulation_fp32 as m32
     from ditops.ops import modulation_model_dtype as mmd
-    from ditops.ops.layer_norm import fp32_layer_norm
+    from ditops.ops.layer_norm import fp32_layer_norm as ln
 
     g = torch.Generator().manual_seed(0)
 
@@ -43,64 +46,19 @@ def cases(only: str | None) -> Iterator[tuple[str, str, Fn, Fn]]:
         h, a = r(1, L, C), r(1, L, C)
         sc, sh, gt = (r(1, 1, C, dt=torch.float32) * 0.1 for _ in range(3))
         w, b = r(C, dt=torch.float32), r(C, dt=torch.float32)
-        op = m32.layer_norm_scale_shift
-        call = op.prepare(h, None, None, sc, sh, 1e-6)
-        yield (
-            "wan ln_mod [1,8064,1536]",
-            "exact",
-            lambda: op.forward_native(call),
-            lambda: op.forward_cpu(call),
-        )
-        op2 = m32.scale_residual_layer_norm_scale_shift
-        call2 = op2.prepare(h, a, gt, w, b, None, None, 1e-6)
-        yield (
-            "wan fused norm2 [1,8064,1536]",
-            "exact",
-            lambda: op2.forward_native(call2),
-            lambda: op2.forward_cpu(call2),
-        )
-        op3 = m32.gated_residual
-        call3 = op3.prepare(h, a.float(), gt)
-        yield (
-            "wan gated (ffn) [1,8064,1536]",
-            "exact",
-            lambda: op3.forward_native(call3),
-            lambda: op3.forward_cpu(call3),
-        )
-        x = r(L, C)
-        call4 = fp32_layer_norm.prepare(x, (C,), w, b, 1e-6)
-        yield (
-            "FP32LayerNorm [8064,1536]",
-            "exact",
-            lambda: fp32_layer_norm.forward_native(call4),
-            lambda: fp32_layer_norm.forward_cpu(call4),
-        )
-        yield (
-            "FP32LayerNorm [8064,1536]",
-            "fast",
-            lambda: fp32_layer_norm.forward_native(call4),
-            lambda: fp32_layer_norm.forward_cpu(call4),
-        )
+        fused = m32.scale_residual_layer_norm_scale_shift
+        yield "wan ln_mod", "exact", m32.layer_norm_scale_shift, (h, None, None, sc, sh, 1e-6)
+        yield "wan fused norm2", "exact", fused, (h, a, gt, w, b, None, None, 1e-6)
+        yield "wan gated (ffn)", "exact", m32.gated_residual, (h, a.float(), gt)
+        yield "FP32LayerNorm", "exact", ln, (h[0], (C,), w, b, 1e-6)
+        yield "FP32LayerNorm", "fast", ln, (h[0], (C,), w, b, 1e-6)
     if only in (None, "flux"):
         L, C = 4096 + 512, 3072  # FLUX 1024px: 4096 image + 512 text tokens, dim 3072
         h, a = r(1, L, C), r(1, L, C)
         sc, sh, gt = (r(1, 1, C) * 0.1 for _ in range(3))
-        op = mmd.adaln_modulate
-        call = op.prepare(h, sc, sh, 1e-6)
-        yield (
-            "flux adaln_modulate [1,4608,3072]",
-            "exact",
-            lambda: op.forward_native(call),
-            lambda: op.forward_cpu(call),
-        )
-        op2 = mmd.adaln_residual
-        call2 = op2.prepare(h, a, gt)
-        yield (
-            "flux adaln_residual [1,4608,3072]",
-            "exact",
-            lambda: op2.forward_native(call2),
-            lambda: op2.forward_cpu(call2),
-        )
+        yield "flux adaln_modulate", "exact", mmd.adaln_modulate, (h, sc, sh, 1e-6)
+        yield "flux adaln_residual", "exact", mmd.adaln_residual, (h, a, gt)
+        yield "flux adaln_modulate", "fast", mmd.adaln_modulate, (h, sc, sh, 1e-6)
 
 
 def main() -> None:
@@ -109,39 +67,56 @@ def main() -> None:
     parser.add_argument("--only", choices=("wan", "flux"), default=None)
     args = parser.parse_args()
     print("\n".join(header()))
-    print(f"cpu: {cpu_features()}, {os.cpu_count()} cores, torch threads {torch.get_num_threads()}")
     print(f"command: {' '.join(sys.argv)}")
-    print("ratios to the meaning: median of per-round ratios / ratio of best times")
+    print("cells: median of per-round ratios to the meaning / ratio of best times")
+    names = ("path 2t", "path 1t", "tuned")
     print(
-        f"{'case':34} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
-        f"{'path':>11} {'path 1t':>11}"
+        f"{'case':20} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
+        + " ".join(f"{n:>13}" for n in names)
     )
+    tuned_cfg = config.replace(config.get(), tune="on", cache_dir=tempfile.mkdtemp())
     with torch.inference_mode():
-        for name, precision, native, fast in cases(args.only):
+        for name, precision, op, argv in cases(args.only):
+            call = op.prepare(*argv)
+            shape = "x".join(map(str, argv[0].shape))
             for busy in (False, True):
+                tune.forget()  # each phase tunes afresh, in its own conditions
                 with busy_neighbour(busy), config.override(precision=precision):
                     load = os.getloadavg()[0]
-                    t0 = time.perf_counter()
-                    native()
-                    ms = (time.perf_counter() - t0) * 1e3
 
-                    def one_thread(fast: Callable[[], object] = fast) -> object:
-                        with kernel_threads(1):
-                            return fast()
+                    def path(n: int | None) -> Any:
+                        def run() -> object:
+                            with blocked_kernel_threads(n):
+                                return op.forward_cpu(call)
 
-                    def all_threads(fast: Callable[[], object] = fast) -> object:
-                        with kernel_threads(None):
-                            return fast()
+                        return run
 
-                    variants = {"native": native, "path": all_threads, "path 1t": one_thread}
+                    here = config.replace(tuned_cfg, precision=precision)
+
+                    def tuned() -> object:  # this thread's settings: tuning on, own cache
+                        saved = getattr(config._local, "override", None)
+                        config._local.override = here
+                        try:
+                            return op.run(call)
+                        finally:
+                            config._local.override = saved
+
+                    variants = {
+                        "native": lambda: op.forward_native(call),
+                        "path 2t": path(None),
+                        "path 1t": path(1),
+                        "tuned": tuned,
+                    }
                     res = ratios_to("native", variants, args.rounds, warmup=2)
                 phase = "busy" if busy else "quiet"
+                cells = " ".join(f"{res[n][0]:6.2f}/{res[n][1]:6.2f}" for n in names)
                 print(
-                    f"{name:34} {precision:5} {phase:5} {load:5.2f} {ms:9.1f} "
-                    f"{res['path'][0]:5.2f}/{res['path'][1]:5.2f} "
-                    f"{res['path 1t'][0]:5.2f}/{res['path 1t'][1]:5.2f}",
+                    f"{name:20} {precision:5} {phase:5} {load:5.2f} "
+                    f"{res['native'][2] * 1e3:9.1f} {cells}   [{shape}]",
                     flush=True,
                 )
+            found = tune.choices(tuned_cfg)
+            print("\n".join("   " + line for line in tune.describe(found)[-2:]))
 
 
 if __name__ == "__main__":
