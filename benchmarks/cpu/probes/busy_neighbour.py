@@ -15,7 +15,6 @@ meaning / ratio of best times (>1: faster than the meaning). Load average per ph
 from __future__ import annotations
 
 # ruff: noqa: B023 - every closure runs inside the loop iteration that made it
-
 import argparse
 import os
 import sys
