@@ -73,13 +73,14 @@ def main() -> None:
         f"{'case':20} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
         + " ".join(f"{n:>13}" for n in names)
     )
-    tuned_cfg = config.replace(config.get(), tune="on", cache_dir=tempfile.mkdtemp())
+    print("(the tuned variant's cache: a fresh folder per case and phase)")
     with torch.inference_mode():
         for name, precision, op, argv in cases(args.only):
             call = op.prepare(*argv)
             shape = "x".join(map(str, argv[0].shape))
             for busy in (False, True):
                 tune.forget()  # each phase tunes afresh, in its own conditions
+                tuned_cfg = config.replace(config.get(), tune="on", cache_dir=tempfile.mkdtemp())
                 with busy_neighbour(busy), config.override(precision=precision):
                     load = os.getloadavg()[0]
 
@@ -114,8 +115,8 @@ def main() -> None:
                     f"{res['native'][2] * 1e3:9.1f} {cells}   [{shape}]",
                     flush=True,
                 )
-            found = tune.choices(tuned_cfg)
-            print("\n".join("   " + line for line in tune.describe(found)[-2:]))
+                for c in tune.choices(tuned_cfg).values():
+                    print(f"{'':26} tuned -> {c.winner.removeprefix('forward_')}: {c.why()}")
 
 
 if __name__ == "__main__":
