@@ -170,13 +170,13 @@ def test_a_kernel_runs_with_blocks_threads(monkeypatch: pytest.MonkeyPatch) -> N
     from ditops.kernels.cpu import modulation
 
     seen: list[int] = []
-    real = modulation._gated_residual_exact
+    real = modulation._gated_sum_exact  # called per block, inside the kernel's loop
 
     def spy(*args):
         seen.append(torch.get_num_threads())
         return real(*args)
 
-    monkeypatch.setattr(modulation, "_gated_residual_exact", spy)
+    monkeypatch.setattr(modulation, "_gated_sum_exact", spy)
     x = torch.randn(1, 8, 16)
     modulation.gated_residual(x, x, None, True)
     if blocks._omp() is not None:

@@ -81,8 +81,9 @@ def _modulate_exact(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: 
     B, L, C = x.shape
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     mods = {**_one_plus(scale, L), "shift": shift}
-    for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
-        _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
+    with blocks.kernel_threads():
+        for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
+            _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
     return out
 
 
@@ -103,11 +104,13 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
         return F.layer_norm(x, (C,), w, bb, eps)
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
-    for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), {"scale": scale, "shift": shift}):
-        if (b, g) not in params:
-            params[(b, g)] = _folded(rows["scale"], rows["shift"])
-        w, bb = params[(b, g)]
-        out[b, l0:l1].copy_(F.layer_norm(x[b, l0:l1], (C,), w, bb, eps))
+    mods = {"scale": scale, "shift": shift}
+    with blocks.kernel_threads():
+        for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
+            if (b, g) not in params:
+                params[(b, g)] = _folded(rows["scale"], rows["shift"])
+            w, bb = params[(b, g)]
+            out[b, l0:l1].copy_(F.layer_norm(x[b, l0:l1], (C,), w, bb, eps))
     return out
 
 
@@ -120,7 +123,6 @@ def _exact_only(x: Tensor, *mods: Tensor | None) -> bool:
 
 
 @opaque_op("ditops::cpu_adaln_modulate")
-@blocks.threaded
 def modulate(
     x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: float, exact: bool
 ) -> Tensor:

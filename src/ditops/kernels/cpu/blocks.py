@@ -195,10 +195,12 @@ def kernel_threads(n: int | None = None) -> Iterator[None]:
     Why one thread: a blocked kernel is a chain of small ATen calls, each an OpenMP
     parallel region ending in a barrier. On a machine whose cores are shared (another
     process busy), each barrier waits for a descheduled worker, a scheduler slice at
-    worst, dozens of times per call: measured 0.3-0.4x the meaning in some rounds with
-    two threads, never below 5x with one (``benchmarks/cpu/busy_neighbour.txt``). The
+    worst, dozens of times per call. Measured on a 2-core EPYC at load 10-12
+    (``benchmarks/cpu/busy_neighbour.txt``): with two threads the exact kernels ran at
+    0.1-0.6x their meaning, with one at 2.4-8x (Wan's chain) and 1.2-3.5x (FLUX's). The
     kernels move each byte once, so one thread keeps most of their gain on a quiet
-    machine too. Set per thread through torch's OpenMP runtime (``omp_set_num_threads``
+    machine too; on a many-core machine where one thread loses to the meaning's parallel
+    passes, ``DITOPS_TUNE`` runs the meaning. Set per thread through torch's OpenMP runtime (``omp_set_num_threads``
     sets the calling thread's value), not ``torch.set_num_threads``, which also changes
     the default of threads started later. Where that runtime is not found, nothing
     changes.
@@ -221,7 +223,9 @@ def kernel_threads(n: int | None = None) -> Iterator[None]:
 
 
 def threaded(fn: F) -> F:
-    """Decorator: ``fn`` (a blocked kernel) runs inside :func:`kernel_threads`."""
+    """Decorator: ``fn`` (a blocked kernel) runs inside :func:`kernel_threads`. (Kernels
+    whose loops run in :func:`scratch` get it there: a single fused ATen call, as the
+    fast LayerNorm is, keeps every thread, one region being no worse than the meaning's.)"""
 
     @functools.wraps(fn)
     def run(*args: Any, **kwargs: Any) -> Any:
@@ -274,18 +278,19 @@ class Scratch:
 
 @contextlib.contextmanager
 def scratch() -> Iterator[Scratch]:
-    """This thread's scratch for one kernel call, under ``torch.no_grad()``.
+    """This thread's scratch for one kernel call's loop over blocks, under
+    ``torch.no_grad()`` and :func:`kernel_threads`.
 
     A call made while another holds the thread's scratch (a kernel run from a hook
     inside a kernel) gets blocks of its own, freed at its end.
     """
     if _pool.busy:
-        with torch.no_grad():
+        with torch.no_grad(), kernel_threads():
             yield Scratch({})
         return
     _pool.busy = True
     try:
-        with torch.no_grad():
+        with torch.no_grad(), kernel_threads():
             yield Scratch(_pool.buffers)
     finally:
         _pool.busy = False

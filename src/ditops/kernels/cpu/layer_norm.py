@@ -47,7 +47,6 @@ def _rows_per_block(row_len: int) -> int:
 
 
 @opaque_op("ditops::cpu_fp32_layer_norm")
-@blocks.threaded
 def fp32_layer_norm(
     x: torch.Tensor,
     normalized_shape: Sequence[int],

@@ -320,7 +320,6 @@ def _fast(
 
 
 @opaque_op("ditops::cpu_layer_norm_scale_shift")
-@blocks.threaded
 def layer_norm_scale_shift(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -350,7 +349,6 @@ def _(x, weight, bias, scale, shift, eps, out_dtype, exact):
 
 
 @opaque_op("ditops::cpu_gated_residual")
-@blocks.threaded
 def gated_residual(
     residual: torch.Tensor, x: torch.Tensor, gate: torch.Tensor | None, exact: bool
 ) -> torch.Tensor:
@@ -370,7 +368,6 @@ def _(residual, x, gate, exact):
 
 
 @opaque_op("ditops::cpu_scale_residual_layer_norm_scale_shift")
-@blocks.threaded
 def scale_residual_layer_norm_scale_shift(
     residual: torch.Tensor,
     x: torch.Tensor,
