@@ -98,7 +98,7 @@ def test_bad_tune_value_raises_with_the_allowed_ones() -> None:
 
 
 def test_the_fastest_competitor_wins_and_is_remembered(_clean: Path) -> None:
-    DELAY.update(native=0.03, forward_cpu=0.03, forward_cpu_b=0.0)
+    DELAY.update(native=0.05, forward_cpu=0.05, forward_cpu_b=0.0)
     x = torch.ones(3, 5)
     out = toy(x)
     assert torch.equal(out, x * 2)
@@ -128,7 +128,7 @@ def test_another_class_is_timed_again() -> None:
 
 
 def test_the_meaning_wins_where_the_paths_lose() -> None:
-    DELAY.update(native=0.0, forward_cpu=0.03, forward_cpu_b=0.03)
+    DELAY.update(native=0.0, forward_cpu=0.05, forward_cpu_b=0.05)
     toy(torch.ones(4))
     RAN.clear()
     toy(torch.ones(4))
@@ -146,7 +146,7 @@ def test_the_static_choice_stays_unless_clearly_beaten() -> None:
 
 
 def test_cache_mode_reads_the_file_and_times_nothing() -> None:
-    DELAY.update(forward_cpu=0.03, native=0.03)
+    DELAY.update(forward_cpu=0.05, native=0.05)
     toy(torch.ones(4))
     tune.forget()  # a new process: only the file remains
     RAN.clear()
@@ -160,7 +160,7 @@ def test_cache_mode_reads_the_file_and_times_nothing() -> None:
 
 
 def test_off_is_the_static_order_and_writes_nothing() -> None:
-    DELAY.update(forward_cpu=0.03)
+    DELAY.update(forward_cpu=0.05)
     with config.override(tune="off"):
         toy(torch.ones(4))
         toy(torch.ones(4))
@@ -177,7 +177,7 @@ def test_exact_precision_is_a_class_of_its_own() -> None:
 
 
 def test_a_winner_that_raises_later_falls_back(ditops_warnings) -> None:
-    DELAY.update(forward_cpu=0.03, native=0.03)
+    DELAY.update(forward_cpu=0.05, native=0.05)
     toy(torch.ones(4))
     FAIL.add("forward_cpu_b")
     RAN.clear()
@@ -314,7 +314,7 @@ def test_triton_launch_configs_are_tuned_within_the_tolerance() -> None:
 
 
 def test_explain_call_names_the_tuned_winner_and_why() -> None:
-    DELAY.update(forward_cpu=0.03, native=0.03)
+    DELAY.update(forward_cpu=0.05, native=0.05)
     x = torch.ones(4)
     assert toy.explain_call(x).chosen == "forward_cpu"  # nothing measured yet
     toy(x)

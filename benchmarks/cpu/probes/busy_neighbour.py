@@ -75,7 +75,8 @@ def main() -> None:
     )
     print("(the tuned variant's cache: a fresh folder per case and phase)")
     with torch.inference_mode():
-        for name, precision, op, argv in cases(args.only):
+        for name, precision, fn, argv in cases(args.only):
+            op = getattr(fn, "op", fn)  # public ops are functions; the module is fn.op
             call = op.prepare(*argv)
             shape = "x".join(map(str, argv[0].shape))
             for busy in (False, True):

@@ -200,10 +200,10 @@ def kernel_threads(n: int | None = None) -> Iterator[None]:
     0.1-0.6x their meaning, with one at 2.4-8x (Wan's chain) and 1.2-3.5x (FLUX's). The
     kernels move each byte once, so one thread keeps most of their gain on a quiet
     machine too; on a many-core machine where one thread loses to the meaning's parallel
-    passes, ``DITOPS_TUNE`` runs the meaning. Set per thread through torch's OpenMP runtime (``omp_set_num_threads``
-    sets the calling thread's value), not ``torch.set_num_threads``, which also changes
-    the default of threads started later. Where that runtime is not found, nothing
-    changes.
+    passes, ``DITOPS_TUNE`` runs the meaning. Set per thread through torch's OpenMP
+    runtime (``omp_set_num_threads`` sets the calling thread's value), not
+    ``torch.set_num_threads``, which also changes the default of threads started later.
+    Where that runtime is not found, nothing changes.
     """
     n = THREADS if n is None else n
     lib = _omp() if n is not None else None
