@@ -20,11 +20,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditops.attention.block_mask import MaskDensity, density_stats
 from ditops.attention.layout import to_bnsd
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
+from ditops.tracing import traced
 
 
 def dense_attention(
@@ -98,6 +100,7 @@ class BlockSparseAttention(nn.Module):
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
         self.dense_blocks = dense_blocks
         self.step: int | None = None
+        self._last_run: tuple[torch.Tensor, int, int] | None = None
         # Per thread (its ident), per branch: see _thread_masks.
         self._masks: dict[int, OrderedDict[str | None, _CachedMask]] = {}
         if self.config.estimate_every > 1:
@@ -112,6 +115,28 @@ class BlockSparseAttention(nn.Module):
         self.dense_blocks = first_frame_dense_blocks(
             latent_shape, patch_size, self.config.block_size
         )
+
+    def last_density(self) -> MaskDensity | None:
+        """The density of the block mask the last eager sparse call ran
+        (:func:`ditops.attention.block_mask.density_stats` of that very mask: per head,
+        per row, overall); ``None`` when that call ran dense, or none ran yet. With a
+        mass target (``config.mass``) this is where the density that resulted is read.
+        Computed on demand (reads the mask: on an accelerator, waits for it); calls
+        inside ``torch.compile`` are not recorded."""
+        if self._last_run is None:
+            return None
+        mask, q_len, kv_len = self._last_run
+        cfg = self.config
+        return density_stats(
+            mask, q_len=q_len, kv_len=kv_len, block_size=cfg.block_size, causal=cfg.causal
+        )
+
+    def _remember_run(
+        self, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layout: str
+    ) -> None:
+        if not traced():  # a module attribute written inside a trace would be a side effect
+            seq = 2 if layout == "BNSD" else 1
+            self._last_run = (mask, int(q.shape[seq]), int(k.shape[seq]))
 
     def clear_masks(self) -> None:
         """Forget the masks kept for reuse (the next sparse call of each branch estimates)."""
@@ -139,11 +164,14 @@ class BlockSparseAttention(nn.Module):
         cfg = self.config
         step = self.step if step is None else step
         if cfg.dense_at(step):
+            if not traced():
+                self._last_run = None
             return dense_attention(q, k, v, layout=layout, scale=scale, causal=cfg.causal)
         dense = self.dense_blocks if dense_blocks is None else dense_blocks
         mask, counts = self._block_mask(
             q, k, layout=layout, scale=scale, step=step, branch=branch, dense_blocks=dense
         )
+        self._remember_run(mask, q, k, layout)
         return block_sparse_attention(
             q,
             k,
@@ -174,7 +202,8 @@ class BlockSparseAttention(nn.Module):
             stride=cfg.stride,
             scale=scale,
             threshold=cfg.threshold,
-            keep_ratio=cfg.keep_ratio,
+            keep_ratio=None if cfg.mass is not None else cfg.keep_ratio,
+            mass=cfg.mass,
             keep_sink=cfg.keep_sink,
             keep_recent=cfg.keep_recent,
             causal=cfg.causal,

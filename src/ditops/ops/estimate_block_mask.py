@@ -103,7 +103,7 @@ class EstimateBlockMask(CustomOp):
         stride: int = 8,
         scale: float | None = None,
         threshold: float = 1.0,
-        keep_ratio: float = 1.0,
+        keep_ratio: float | None = None,
         keep_sink: bool = True,
         keep_recent: bool = True,
         causal: bool = False,
@@ -111,6 +111,7 @@ class EstimateBlockMask(CustomOp):
         forced_blocks: str = "in_budget",
         method: str = OP_DEFAULT_METHOD,
         samples: int = DEFAULT_SAMPLES,
+        mass: float | None = None,
     ) -> EstimateCall:
         """Returns int8 ``mask [B, Nq, Qb, KVb]`` and int32 ``counts [B, Nq, Qb]``.
 
@@ -118,6 +119,12 @@ class EstimateBlockMask(CustomOp):
         blocks included (``forced_blocks="in_budget"``), or sglang's reading
         (``"on_top"``): a cap on the kept share of scored blocks per row (rows of 10 or
         more candidates) with sink, recent and first-frame blocks on top.
+        Default 1 (every block), unless ``mass`` is given: in ``(0, 1]``, the share of
+        each row's estimated attention mass (per-row methods), or of each head's on
+        average over its rows (per-head methods), the kept blocks cover, forced blocks
+        counted (:func:`ditops.attention.selection.select_by_mass`): the density is then
+        whatever each row or head needs (``density_stats`` of the mask returned is the
+        density that runs). Give ``keep_ratio`` or ``mass``, not both.
         ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
         ``dense_blocks`` >= 0 leading block rows and columns are forced on (the first
         video frame). ``method``: how blocks are scored and the budget spent (one of
@@ -137,9 +144,15 @@ class EstimateBlockMask(CustomOp):
                 f"{op}: block_size ({block_size}) must be a multiple of stride ({stride})"
             )
         scale = check_scale(op, scale)
+        if mass is not None and keep_ratio is not None:
+            raise ValueError(
+                f"{op}: give keep_ratio (a density) or mass (a covered share of attention "
+                f"mass), not both (got keep_ratio={keep_ratio!r}, mass={mass!r})"
+            )
         sel = BlockSelection(
             threshold=threshold,
-            keep_ratio=keep_ratio,
+            keep_ratio=1.0 if keep_ratio is None else keep_ratio,
+            mass=mass,
             keep_sink=keep_sink,
             keep_recent=keep_recent,
             causal=causal,
