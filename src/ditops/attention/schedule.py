@@ -95,6 +95,20 @@ class BlockSparseConfig:
             Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
             Needs ``threshold=1``, ``forced_blocks="in_budget"`` and a per-row or
             per-head method (not ``"sampled_layer"``).
+        permute: the permuted mode (:mod:`ditops.attention.permute`, after Sparse
+            VideoGen 2): per call, batch entry and head, the queries and the keys are
+            clustered by k-means on their vectors (warm-started from the same layer and
+            guidance branch's previous step, so it needs the step index to reuse
+            anything), the tokens sorted so every cluster is contiguous, the mask
+            estimated and block-sparse attention run in that order with the same ops,
+            and the output put back in the original order. Related tokens scattered over
+            the video then share blocks, so a density keeps more of the attention. The
+            first ``dense_blocks`` blocks (first frame, text) stay in place and dense.
+            A flag rather than a method: it composes with every method, a density or a
+            mass target, and mask reuse (``estimate_every`` reuses the permutation with
+            the mask). Not with ``causal`` (sorting tokens breaks causal order).
+        clusters: k-means clusters of the queries and of the keys per head in the
+            permuted mode (>= 0; 0: one per block of the permuted tokens).
     """
 
     sparsity: float = 0.0
@@ -110,6 +124,8 @@ class BlockSparseConfig:
     method: str = DEFAULT_METHOD
     samples: int = DEFAULT_SAMPLES
     mass: float | None = None
+    permute: bool = False
+    clusters: int = 0
 
     def __post_init__(self) -> None:
         sparsity = _check_float("sparsity", self.sparsity)
@@ -139,8 +155,14 @@ class BlockSparseConfig:
         threshold = _check_float("threshold", self.threshold)
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        for name in ("keep_sink", "keep_recent", "causal"):
+        for name in ("keep_sink", "keep_recent", "causal", "permute"):
             _check_bool(name, getattr(self, name))
+        _check_int("clusters", self.clusters, 0)
+        if self.permute and self.causal:
+            raise ValueError(
+                "permute=True sorts tokens by cluster, which breaks causal order: use "
+                "permute=False with causal=True"
+            )
         check_method(
             self.method,
             self.samples,
