@@ -169,3 +169,23 @@ def test_permute_with_causal_is_refused() -> None:
         BlockSparseConfig(sparsity=0.5, permute=1)
     with pytest.raises(ValueError, match="clusters"):
         BlockSparseConfig(sparsity=0.5, permute=True, clusters=-1)
+
+
+def test_each_head_keeps_the_order_that_serves_it() -> None:
+    from ditops.attention.permute import choose_heads
+    from ditops.bench.video_attention import scattered_attention
+
+    q, k, _, _ = _scattered(seq=1280, groups=10)  # semantic heads: clustered
+    perm = cluster_permutation(q, k, block_size=64)
+    chosen = choose_heads(q, k, perm, block_size=64, keep=0.25)
+    assert chosen.clustered is not None and bool(chosen.clustered.all())
+    # Video-like heads: the local one (3) stays in video order, semantic ones (0-2) mostly
+    # go clustered (at this small size one may not gain).
+    lq, lk, _ = scattered_attention(9, 16, 24, heads=4, dim=64)
+    lperm = cluster_permutation(lq, lk, block_size=64)
+    lchosen = choose_heads(lq, lk, lperm, block_size=64, keep=0.25)
+    assert not bool(lchosen.clustered[0, 3]) and int(lchosen.clustered[0, :3].sum()) >= 2
+    assert torch.equal(lchosen.q_order[0, 3], torch.arange(lq.shape[2]))
+    # A warm start keeps the choice.
+    warm = cluster_permutation(lq, lk, block_size=64, previous=lchosen)
+    assert torch.equal(warm.q_order, lchosen.q_order) and warm.clustered is lchosen.clustered

@@ -118,6 +118,22 @@ class TokenPermutation:
     q_centroids: torch.Tensor
     k_centroids: torch.Tensor
     fixed: int
+    #: Per KV head ``[B, Nkv]``: whether it runs in the clustered order (else the
+    #: original, its orders the identity); ``None``: every head clustered.
+    clustered: torch.Tensor | None = None
+
+    def restricted(self, clustered: torch.Tensor) -> TokenPermutation:
+        """The same with the heads where ``clustered`` (bool ``[B, Nkv]``) is false put
+        back in the original order (their centroids kept for warm starts)."""
+        group = int(self.q_order.shape[1]) // int(self.k_order.shape[1])
+        q_keep = clustered.repeat_interleave(group, dim=1)[..., None]
+        q_id = torch.arange(int(self.q_order.shape[2]), device=self.q_order.device)
+        k_id = torch.arange(int(self.k_order.shape[2]), device=self.k_order.device)
+        return TokenPermutation(
+            torch.where(q_keep, self.q_order, q_id),
+            torch.where(clustered[..., None], self.k_order, k_id),
+            self.q_centroids, self.k_centroids, self.fixed, clustered,
+        )  # fmt: skip
 
     @staticmethod
     def _flat(order: torch.Tensor) -> torch.Tensor:
@@ -198,4 +214,73 @@ def cluster_permutation(
         prev_k = None if previous is None else previous.k_centroids
         q_order, q_cent = _cluster(q, q_fixed, cq, prev_q, iters)
         k_order, k_cent = _cluster(k, k_fixed, ck, prev_k, iters)
-    return TokenPermutation(q_order, k_order, q_cent, k_cent, fixed)
+    perm = TokenPermutation(q_order, k_order, q_cent, k_cent, fixed)
+    if previous is not None and previous.clustered is not None:
+        perm = perm.restricted(previous.clustered)
+    return perm
+
+
+def _cross_coverage(
+    q: torch.Tensor, k: torch.Tensor, *, block_size: int, keep: float, scale: float
+) -> torch.Tensor:
+    """fp32 ``[B, Nq]``: per head, the mean over query blocks of the mass that one
+    sampled row of the block gives the ``round(keep * KVb)`` key blocks the block's other
+    sampled row ranks best (and the other way round). Two rows per block, at a quarter
+    and three quarters of it: a block of alike queries scores high, a block mixing
+    queries that need different keys scores low even when each row alone is sharp."""
+    b, n, s, d = (int(t) for t in q.shape)
+    q_blocks = -(-s // block_size)
+    kv_len = int(k.shape[2])
+    kv_blocks = -(-kv_len // block_size)
+    group = n // int(k.shape[1])
+    starts = torch.arange(q_blocks, device=q.device) * block_size
+    real = (s - starts).clamp(max=block_size)
+    rows = torch.stack([starts + real // 4, starts + (3 * real) // 4], -1).reshape(-1)
+    top = max(1, min(kv_blocks, round(keep * kv_blocks)))
+    pad = kv_blocks * block_size - kv_len
+    out = torch.empty(b, n, dtype=torch.float32, device=q.device)
+    for bi in range(b):
+        for h in range(n):
+            logits = q[bi, h].index_select(0, rows).float() @ k[bi, h // group].float().T
+            probs = torch.softmax(logits * scale, dim=-1)
+            if pad:
+                probs = torch.nn.functional.pad(probs, (0, pad))
+            mass = probs.view(q_blocks, 2, kv_blocks, block_size).sum(-1)  # [Qb, 2, KVb]
+            best = mass.topk(top, dim=-1).indices  # each row's own choice
+            other = mass.flip(1).gather(-1, best)  # judged by the other row
+            out[bi, h] = other.sum(-1).mean()
+    return out
+
+
+def choose_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    perm: TokenPermutation,
+    *,
+    block_size: int,
+    keep: float | None,
+    scale: float | None = None,
+) -> TokenPermutation:
+    """``perm`` with each KV head in the order (clustered or original) whose blocks
+    serve its queries better: heads whose attention is local in the video (a query needs
+    its neighbours) can lose by sorting, heads whose attention is semantic gain.
+
+    Judged in both orders by :func:`_cross_coverage` at density ``keep`` (``None``, a
+    mass target: 0.25), summed over a KV head's query heads: two sampled rows per block
+    attend to every key (``2 / block_size`` of a dense attention per order). Run when
+    clusters start cold; warm starts keep the choice (:attr:`TokenPermutation.clustered`).
+    A block's single sampled row would not do: it rates its own best blocks, and a
+    clustered block mixing far-apart tokens (k-means on rotary features can alias) looks
+    as good as a coherent one.
+    """
+    scale = int(q.shape[-1]) ** -0.5 if scale is None else scale
+    keep = 0.25 if keep is None else keep
+    with torch.no_grad():
+        plain = _cross_coverage(q, k, block_size=block_size, keep=keep, scale=scale)
+        mine = _cross_coverage(
+            perm.permute_q(q), perm.permute_kv(k), block_size=block_size, keep=keep, scale=scale
+        )
+        gain = mine - plain  # [B, Nq]
+        group = int(q.shape[1]) // int(k.shape[1])
+        gain = gain.reshape(int(gain.shape[0]), -1, group).sum(-1)
+    return perm.restricted(gain > 0)

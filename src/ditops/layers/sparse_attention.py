@@ -22,7 +22,7 @@ from torch import nn
 
 from ditops.attention.block_mask import MaskDensity, density_stats
 from ditops.attention.layout import to_bnsd
-from ditops.attention.permute import TokenPermutation, cluster_permutation
+from ditops.attention.permute import TokenPermutation, choose_heads, cluster_permutation
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
@@ -200,12 +200,19 @@ class BlockSparseAttention(nn.Module):
         kb: torch.Tensor,
         dense_blocks: int,
         previous: TokenPermutation | None,
+        scale: float | None,
     ) -> TokenPermutation:
+        """Clusters warm-started from ``previous``; from a cold start, each head also
+        chooses between the clustered and the original order (:func:`choose_heads`)."""
         cfg = self.config
-        return cluster_permutation(
+        perm = cluster_permutation(
             qb, kb, fixed=dense_blocks * cfg.block_size, clusters=cfg.clusters or None,
             block_size=cfg.block_size, previous=previous,
         )  # fmt: skip
+        if previous is None:
+            keep = None if cfg.mass is not None else cfg.keep_ratio
+            perm = choose_heads(qb, kb, perm, block_size=cfg.block_size, keep=keep, scale=scale)
+        return perm
 
     def _permuted(
         self,
@@ -225,7 +232,7 @@ class BlockSparseAttention(nn.Module):
         check_layout("BlockSparseAttention", layout)
         qb, kb, vb = to_bnsd(q, layout), to_bnsd(k, layout), to_bnsd(v, layout)
         if step is None:  # no step: nothing to reuse, a cold start every call
-            perm = self._permutation(qb, kb, dense_blocks, None)
+            perm = self._permutation(qb, kb, dense_blocks, None, scale)
             qp, kp = perm.permute_q(qb), perm.permute_kv(kb)
             mask, counts = self._estimate(
                 qp, kp, layout="BNSD", scale=scale, dense_blocks=dense_blocks
@@ -330,10 +337,9 @@ class BlockSparseAttention(nn.Module):
         masks.pop(branch, None)  # the old mask goes before the new one is made
         perm = None
         if self.config.permute:  # q, k are BNSD here; last step's centroids warm-start
-            warm = (
-                entry if entry is not None and entry.key == key and entry.last_step < step else None
-            )
-            perm = self._permutation(q, k, dense_blocks, None if warm is None else warm.perm)
+            warm = entry is not None and entry.key == key and entry.last_step < step
+            previous = entry.perm if warm and entry is not None else None
+            perm = self._permutation(q, k, dense_blocks, previous, scale)
             q, k = perm.permute_q(q), perm.permute_kv(k)
         mask, counts = self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
         entry = masks[branch] = _CachedMask(key, mask, counts, step, step, perm)
