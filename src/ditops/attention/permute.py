@@ -10,10 +10,12 @@ contiguous, attends block-sparse in that order and puts the outputs back.
 
 Here, per batch entry and head (and per KV head for keys under GQA):
 
-1. **k-means** of the query vectors and of the key vectors (:func:`kmeans`): ``clusters``
-   centroids (default: one per block of the permuted tokens), assignment by the largest
-   ``c . x - |c|^2 / 2`` (the nearest centroid) as one batched matmul in the inputs'
-   dtype, centroids moved to the mean of their tokens among every
+1. **Spherical k-means** of the query vectors and of the key vectors (:func:`kmeans`):
+   ``clusters`` unit centroids (default: one per block of the permuted tokens),
+   assignment by the largest ``x . c`` (the nearest direction: what a dot-product
+   attention sees, and no bias term: one batched matmul in the inputs' dtype and a max,
+   measured the cheapest on CPU), centroids moved to the mean direction of their tokens
+   among every
    :data:`UPDATE_EVERY`-th one (a one-hot matmul). A cold start takes its centroids
    from tokens evenly spaced in the original order (deterministic; neighbours in the
    video get neighbouring cluster ids, so clusters that end up in one block tend to be
@@ -49,40 +51,41 @@ UPDATE_EVERY = 4
 
 
 def initial_centroids(x: torch.Tensor, clusters: int) -> torch.Tensor:
-    """fp32 ``[G, C, D]``: ``clusters`` tokens of ``x`` ``[G, S, D]``, evenly spaced."""
+    """``[G, C, D]`` in ``x``'s dtype: ``clusters`` tokens of ``x`` ``[G, S, D]``, evenly
+    spaced, as unit vectors."""
     seq = int(x.shape[1])
     idx = (torch.arange(clusters, device=x.device, dtype=torch.float64) + 0.5) * seq / clusters
-    return x.index_select(1, idx.long().clamp(max=seq - 1)).float()
+    return _unit(x.index_select(1, idx.long().clamp(max=seq - 1)))
+
+
+def _unit(c: torch.Tensor) -> torch.Tensor:
+    c32 = c.float()
+    return (c32 / c32.norm(dim=-1, keepdim=True).clamp(min=1e-12)).to(c.dtype)
 
 
 def assign(x: torch.Tensor, centroids: torch.Tensor) -> torch.Tensor:
-    """int64 ``[G, S]``: each token's nearest centroid, the largest ``x.c - |c|^2 / 2``
-    (one ``[G, S, C]`` batched matmul in ``x``'s dtype, the bias added in place)."""
-    bias = (-0.5 * centroids.square().sum(-1)).to(x.dtype)  # [G, C]
-    scores = torch.bmm(x, centroids.to(x.dtype).transpose(1, 2))
-    return scores.add_(bias[:, None, :]).max(-1).indices
+    """int64 ``[G, S]``: each token's centroid of the largest ``x . c`` (unit centroids:
+    the nearest in direction; one batched matmul in ``x``'s dtype and a max)."""
+    return torch.bmm(x, centroids.to(x.dtype).transpose(1, 2)).max(-1).indices
 
 
 def update(
     x: torch.Tensor, labels: torch.Tensor, centroids: torch.Tensor, every: int = 1
 ) -> torch.Tensor:
-    """fp32 ``[G, C, D]``: the mean of each cluster's tokens among every ``every``-th one
-    (an empty cluster keeps its centroid). Summed by a one-hot matmul in ``x``'s dtype
-    (fp32 accumulation, one rounding of each sum)."""
+    """``[G, C, D]``: the mean direction of each cluster's tokens among every ``every``-th
+    one (an empty cluster keeps its centroid): a one-hot matmul in ``x``'s dtype (fp32
+    accumulation), normalised."""
     if every > 1:
         x, labels = x[:, ::every], labels[:, ::every]
-    c = int(centroids.shape[1])
-    ids = torch.arange(c, device=x.device)[:, None]
-    onehot = labels[:, None, :] == ids  # [G, C, S]
-    counts = onehot.sum(-1, keepdim=True, dtype=torch.float32)
-    sums = torch.bmm(onehot.to(x.dtype), x).float()
-    return torch.where(counts > 0, sums / counts.clamp(min=1), centroids)
+    ids = torch.arange(int(centroids.shape[1]), device=x.device)[:, None]
+    sums = torch.bmm((labels[:, None, :] == ids).to(x.dtype), x)  # [G, C, D]
+    return torch.where(sums.abs().amax(-1, keepdim=True) > 0, _unit(sums), centroids)
 
 
 def kmeans(
     x: torch.Tensor, centroids: torch.Tensor, iters: int, every: int = UPDATE_EVERY
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``iters`` (>= 1) rounds of Lloyd's k-means on ``x`` ``[G, S, D]`` from fp32
+    """``iters`` (>= 1) rounds of spherical k-means on ``x`` ``[G, S, D]`` from unit
     ``centroids`` ``[G, C, D]``: ``(labels [G, S], centroids)``. Rounds before the last
     run on every ``every``-th token only (cheap); the last assigns every token (the
     labels returned) and moves the centroids once more, from the same subsample, for a
@@ -110,7 +113,8 @@ class TokenPermutation:
 
     ``q_order`` ``[B, Nq, Sq]`` and ``k_order`` ``[B, Nkv, Skv]`` (int64): permuted
     position ``p`` holds original token ``order[..., p]``; ``q_centroids`` /
-    ``k_centroids`` (fp32 ``[B, N, C, D]``): the k-means state a later step starts from.
+    ``k_centroids`` (unit vectors ``[B, N, C, D]``, the inputs' dtype): the k-means
+    state a later step starts from.
     """
 
     q_order: torch.Tensor
@@ -174,14 +178,18 @@ def _cluster(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(order [B, N, S], centroids [B, N, C, D])`` of BNSD ``x``'s tokens past ``fixed``."""
     b, n, s, d = (int(t) for t in x.shape)
-    rest = x[:, :, fixed:].reshape(b * n, s - fixed, d)
+    flat = x.reshape(b * n, s, d)  # a view for contiguous x: no copy before the matmuls
+    rest = flat[:, fixed:]
     c = min(clusters, s - fixed)
     if previous is not None and tuple(previous.shape) == (b, n, c, d):
         start, rounds = previous.reshape(b * n, c, d), WARM_ITERS
     else:
         start, rounds = initial_centroids(rest, c), iters
-    labels, centroids = kmeans(rest, start, rounds)
-    return cluster_order(labels, fixed).view(b, n, s), centroids.view(b, n, c, d)
+    # The prefix's tokens join the assignment (a matmul over the whole of x, which a
+    # strided slice would copy first) and the updates, their labels unused: a prefix of
+    # a few blocks moves some centroids a little.
+    labels, centroids = kmeans(flat, start, rounds)
+    return cluster_order(labels[:, fixed:], fixed).view(b, n, s), centroids.view(b, n, c, d)
 
 
 def cluster_permutation(
@@ -241,8 +249,8 @@ def _cross_coverage(
     out = torch.empty(b, n, dtype=torch.float32, device=q.device)
     for bi in range(b):
         for h in range(n):
-            logits = q[bi, h].index_select(0, rows).float() @ k[bi, h // group].float().T
-            probs = torch.softmax(logits * scale, dim=-1)
+            logits = q[bi, h].index_select(0, rows) @ k[bi, h // group].T  # q's dtype
+            probs = torch.softmax(logits.float() * scale, dim=-1)
             if pad:
                 probs = torch.nn.functional.pad(probs, (0, pad))
             mass = probs.view(q_blocks, 2, kv_blocks, block_size).sum(-1)  # [Qb, 2, KVb]

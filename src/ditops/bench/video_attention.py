@@ -80,6 +80,14 @@ def _smooth_field(pos: torch.Tensor, gen: torch.Generator, extent: torch.Tensor)
     return (f - f.min()) / (f.max() - f.min() + 1e-9)
 
 
+def grid_positions(frames: int, height: int, width: int) -> torch.Tensor:
+    """fp32 ``[S, 3]``: (t, y, x) of each token, row-major as a patch embedding orders them."""
+    t, y, x = torch.meshgrid(
+        *(torch.arange(n, dtype=torch.float32) for n in (frames, height, width)), indexing="ij"
+    )
+    return torch.stack([t.flatten(), y.flatten(), x.flatten()], dim=-1)
+
+
 def video_attention(
     frames: int,
     height: int,
@@ -100,10 +108,7 @@ def video_attention(
     if dim <= SINK_DIMS or (dim - SINK_DIMS) % 2:
         raise ValueError(f"dim must be even and > {SINK_DIMS}, got {dim}")
     gen = torch.Generator().manual_seed(seed)
-    t, y, x = torch.meshgrid(
-        *(torch.arange(n, dtype=torch.float32) for n in (frames, height, width)), indexing="ij"
-    )
-    pos = torch.stack([t.flatten(), y.flatten(), x.flatten()], dim=-1)  # [S, 3]
+    pos = grid_positions(frames, height, width)  # [S, 3]
     seq, feats = int(pos.shape[0]), (dim - SINK_DIMS) // 2
     extent = torch.tensor([frames, height, width], dtype=torch.float32)
     frame_tokens = height * width
@@ -302,10 +307,7 @@ def scattered_attention(
     if loc_feats < 2:
         raise ValueError(f"dim too small for scattered_attention: {dim}")
     gen = torch.Generator().manual_seed(seed)
-    t, y, x = torch.meshgrid(
-        *(torch.arange(n, dtype=torch.float32) for n in (frames, height, width)), indexing="ij"
-    )
-    pos = torch.stack([t.flatten(), y.flatten(), x.flatten()], dim=-1)  # [S, 3]
+    pos = grid_positions(frames, height, width)  # [S, 3]
     seq = int(pos.shape[0])
     scale = dim**-0.5
     # Cells stretch over time: distances in frames count a quarter.
