@@ -32,7 +32,7 @@ Here, per batch entry and head (and per KV head for keys under GQA):
    (:meth:`TokenPermutation.unpermute`, the exact inverse of the permutation: a copy,
    no arithmetic).
 
-Cost (measured in ``benchmarks/cpu/permute_cost.txt``): one assignment matmul per
+Cost (measured in ``benchmarks/cpu/probes/permute_cost.txt``): one assignment matmul per
 round for q and for k, ``S x clusters x D`` each, plus the gathers; with ``clusters``
 one per block that is ``clusters / S`` of a dense attention's ``q k^T`` per round.
 """
