@@ -161,3 +161,15 @@ def test_nan_scores_are_never_kept_and_count_no_mass() -> None:
 def test_sparsity_zero_with_no_mass_stays_dense_and_mass_is_sparse() -> None:
     assert BlockSparseConfig().dense_at(3)
     assert not BlockSparseConfig(mass=0.9).dense_at(3)
+
+
+def test_the_npu_estimate_kernel_says_it_takes_no_mass_target() -> None:
+    from ditops.ops.attention_npu import estimate_reasons
+
+    q, k = _qk()
+    call = estimate_block_mask.op.prepare(q, k, block_size=64, mass=0.9, method="antidiagonal")
+    reasons = estimate_reasons(call)
+    assert reasons and "mass target" in reasons[0]
+    dense_call = estimate_block_mask.op.prepare(q, k, block_size=64, keep_ratio=0.5,
+                                                method="antidiagonal")  # fmt: skip
+    assert not any("mass target" in r for r in estimate_reasons(dense_call))
