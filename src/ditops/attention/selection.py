@@ -53,7 +53,12 @@ class BlockSelection:
     candidate always kept; ``causal``: candidates up to the diagonal only;
     ``dense_blocks`` >= 0: leading block rows and columns forced on (the first video
     frame); ``method``/``samples``: how blocks are scored and the budget spent
-    (:data:`ditops.attention.methods.METHODS`). ``where``: the name errors start with.
+    (:data:`ditops.attention.methods.METHODS`). ``mass`` in (0, 1] (or ``None``): a
+    mass target instead of a density (:func:`select_by_mass`): each row (per-row
+    methods) or each head on average over its rows (per-head methods) keeps blocks until
+    that share of its estimated attention mass is covered, forced blocks counted; then
+    ``keep_ratio`` must stay 1, ``threshold`` 1, ``forced_blocks="in_budget"``, and the
+    method not ``"layer"``. ``where``: the name errors start with.
     """
 
     threshold: float = 1.0
@@ -65,6 +70,7 @@ class BlockSelection:
     forced_blocks: str = "in_budget"
     method: str = OP_DEFAULT_METHOD
     samples: int = DEFAULT_SAMPLES
+    mass: float | None = None
     where: str = field(default="estimate_block_mask", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +92,8 @@ class BlockSelection:
             threshold=self.threshold,
             where=op,
         )
+        if self.mass is not None:
+            object.__setattr__(self, "mass", check_mass(self, op))
 
     @property
     def scoring(self) -> str:
@@ -103,6 +111,47 @@ class BlockSelection:
 
     def replace(self, **changes: Any) -> BlockSelection:
         return dataclasses.replace(self, **changes)
+
+
+def check_mass_value(mass: object, where: str) -> float:
+    """``mass`` as a float in (0, 1], or a TypeError/ValueError saying what is valid."""
+    if not _is_number(mass):
+        raise TypeError(f"{where}: mass must be a number in (0, 1], got {mass!r}")
+    value = float(mass)  # type: ignore[arg-type]
+    if not 0.0 < value <= 1.0:  # False for NaN too
+        raise ValueError(
+            f"{where}: mass must be in (0, 1] (the share of each row's attention mass the "
+            f"kept blocks cover; 1 keeps every block), got {mass!r}"
+        )
+    return value
+
+
+def check_mass(sel: BlockSelection, where: str) -> float:
+    """Validate a selection's mass target against its other settings (see
+    :class:`BlockSelection`)."""
+    mass = check_mass_value(sel.mass, where)
+    if sel.keep_ratio != 1.0:
+        raise ValueError(
+            f"{where}: give keep_ratio (a density) or mass (a covered share of attention "
+            f"mass), not both (got keep_ratio={sel.keep_ratio}, mass={mass})"
+        )
+    if sel.forced_blocks != "in_budget":
+        raise ValueError(
+            f"{where}: a mass target needs forced_blocks='in_budget' (forced blocks count "
+            f"towards the mass covered), got {sel.forced_blocks!r}"
+        )
+    if sel.threshold < 1.0:
+        raise ValueError(
+            f"{where}: a mass target replaces threshold < 1 (got threshold={sel.threshold}); "
+            "leave threshold at 1"
+        )
+    if sel.allocation == "layer":
+        per_head = [m for m, (_, a) in METHODS.items() if a != "layer"]
+        raise ValueError(
+            f"{where}: a mass target is per head (or per row); method {sel.method!r} spends "
+            f"one budget over a layer's heads: use one of {per_head}"
+        )
+    return mass
 
 
 def selection_of(sel: BlockSelection | None, fields: dict[str, Any]) -> BlockSelection:
@@ -335,12 +384,14 @@ def mask_without_scores(
     or when the budget is every candidate and no threshold can drop one. q/k as BNSD.
     """
     sel = selection_of(sel, fields)
-    if not sel.in_budget:
+    if not sel.in_budget or (sel.mass is not None and sel.mass < 1.0):
         return None
     q_blocks = num_blocks(int(q.shape[2]), block_size)
     kv_blocks = num_blocks(int(k.shape[2]), block_size)
     budget = block_budget(q_blocks, kv_blocks, sel)
-    if budget.forced_only:
+    if sel.mass is not None:  # mass 1: every block (each holds some mass)
+        keep = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=q.device)
+    elif budget.forced_only:
         keep = _forced_only(budget, q_blocks, kv_blocks, sel, q.device)
     elif budget.total == budget.candidates and sel.threshold >= 1.0:
         keep = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=q.device)
@@ -362,6 +413,8 @@ def select_in_budget(
     (``"head"``, :func:`ditops.attention.methods.select_per_head`) or over all the heads
     at once (``"layer"``, :func:`ditops.attention.methods.select_per_layer`)."""
     sel = selection_of(sel, fields)
+    if sel.mass is not None:
+        return select_by_mass(scores, sel, allocation=allocation)
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
     budget = block_budget(q_blocks, kv_blocks, sel)
@@ -385,3 +438,55 @@ def select_in_budget(
         reached = ranked.cumsum(-1) < sel.threshold * ranked.sum(-1, keepdim=True)
         limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
     return (scored & (v >= 0) & (rank < limit)) | forced
+
+
+def select_by_mass(
+    scores: torch.Tensor,
+    sel: BlockSelection | None = None,
+    *,
+    allocation: str = "row",
+    **fields: Any,
+) -> torch.Tensor:
+    """Bool ``[..., Qb, KVb]``: the fewest blocks covering ``sel.mass`` of the estimated
+    mass, forced blocks included (and counted as covered).
+
+    ``allocation="row"``: every query block row keeps its forced blocks, then its scored
+    blocks in descending score (the lower key block first on ties) until the kept ones
+    hold ``mass`` of the row's total over its candidates. ``"head"``: each row's scores
+    normalised to its total, a head keeps the blocks adding the most of their row's mass
+    over its whole map until the mean over its rows (rows with some mass) reaches
+    ``mass``: diffuse rows get more blocks, sharp rows fewer. Either way the density is
+    whatever the scores need, per row or per head (what runs is the mask returned:
+    ``density_stats`` of it is the density). Sums in fp64, so the coverage computed from
+    the returned mask is never below ``mass`` by more than fp64 rounding. NaN scores
+    count as no mass and are never kept.
+    """
+    sel = selection_of(sel, fields)
+    assert sel.mass is not None
+    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
+    dev = scores.device
+    forced = forced_block_mask(q_blocks, kv_blocks, sel, device=dev)
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
+    scored = cand & ~forced
+    nan = scores.isnan()
+    mass = (scores.double() * cand).masked_fill(nan | ~cand, 0.0).clamp(min=0.0)
+    total = mass.sum(-1, keepdim=True)
+    if allocation == "row":
+        gain, covered = mass, (mass * forced).sum(-1, keepdim=True)
+        target = sel.mass * total
+        flat = False
+    else:  # "head": shares of each row's mass, over the head's whole map
+        gain = mass / total.clamp(min=torch.finfo(torch.float64).tiny)
+        live = (total > 0).double()
+        covered = (gain * forced).sum((-2, -1)).reshape(*gain.shape[:-2], 1)
+        target = sel.mass * live.sum((-2, -1)).reshape(*gain.shape[:-2], 1)
+        flat = True
+    v = gain.masked_fill(~scored | nan, -1.0)  # unscored and NaN ranked last, never kept
+    if flat:
+        v = v.flatten(-2)
+    order = v.argsort(dim=-1, descending=True, stable=True)
+    ranked = v.gather(-1, order)
+    before = ranked.clamp(min=0.0).cumsum(-1) - ranked.clamp(min=0.0)  # mass kept before
+    keep_sorted = (covered + before < target) & (ranked >= 0)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return keep.view(scores.shape) | forced
