@@ -10,6 +10,10 @@
 ``DITOPS_PRECISION``   ``fast`` (default): within each op's stated tolerance of the native
                        path. ``exact``: bitwise equal to the native path on that device
                        (paths that cannot promise it are skipped).
+``DITOPS_SGLANG``      ``1`` activates ditops' platform plug-in inside sglang's diffusion
+                       runtime (:mod:`ditops.integrations.sglang`); read by sglang's
+                       platform discovery in each of its processes. Default ``0``: an
+                       installed ditops never changes sglang on its own.
 =====================  ===================================================================
 
 The environment is read once, on first use; :func:`reload` reads it again.
@@ -133,6 +137,16 @@ class Config:
     strict: bool = False
     precision: Precision = "fast"
     version: int = 0
+
+
+def sglang_enabled(environ: dict[str, str] | None = None) -> bool:
+    """``DITOPS_SGLANG``: whether ditops' sglang platform plug-in is switched on.
+
+    Read afresh on each call (sglang asks once per process, when it picks its platform);
+    a value that is not a boolean raises :class:`ConfigError`.
+    """
+    env = os.environ if environ is None else environ
+    return parse_bool("DITOPS_SGLANG", env.get("DITOPS_SGLANG", "0"))
 
 
 def from_env(environ: dict[str, str] | None = None) -> Config:
