@@ -30,7 +30,9 @@ and any other one-element tensor become a ``[C]`` view (a broadcast keeps torch'
 promotion of a dimensioned tensor, where a 0-d one would promote differently), ``[B, C]``
 becomes ``[B, 1, C]``; ``[C]``, ``[B, 1, C]``, ``[B, L, C]`` and per-frame ``[B, F, 1,
 C]`` pass as they are; ``gate=1`` (the int) adds ``x`` unscaled. A call ditops' ops refuse
-runs sglang's expression in plain torch, with one warning naming why.
+runs sglang's expression in plain torch, with one warning naming why. Where the stream
+is wider than a modulation (sglang's bf16 zeros against an fp32 ``h``) the modulation is
+widened as eager widens it (:func:`_widened_scale`).
 
 Precision against that meaning: fp32 is bitwise (``DITOPS_PRECISION=exact`` everywhere;
 ``fast`` on the CPU path too). bf16/fp16: ``FP32LayerNorm`` and ``RMSNorm`` within ditops'
@@ -76,6 +78,23 @@ def _promoted(dtype: torch.dtype, *mods: Modulation) -> torch.dtype:
         dtype = torch.result_type(probe, m if not isinstance(m, torch.Tensor) else m.to("meta"))
         probe = torch.empty((1,), dtype=dtype, device="meta")
     return dtype
+
+
+def _narrower(m: Modulation, dtype: torch.dtype) -> bool:
+    return isinstance(m, torch.Tensor) and torch.promote_types(m.dtype, dtype) != m.dtype
+
+
+def _widened_shift(shift: Modulation, dtype: torch.dtype) -> Modulation:
+    """A shift narrower than the normalised stream, widened as eager's ``+`` widens it."""
+    return shift.to(dtype) if _narrower(shift, dtype) else shift
+
+
+def _widened_scale(scale: Modulation, dtype: torch.dtype) -> Modulation:
+    """A scale narrower than the stream, as ``s'`` with ``1 + s' == (1 + scale).to(dtype)``:
+    eager computes ``1 + scale`` in the scale's dtype, then widens. ``(1 + scale) - 1`` in
+    fp32 undoes the ``1 +`` exactly for every bf16 and fp16 value but a bf16 ``1 + scale``
+    of exactly ``-2**24`` (checked over all of them)."""
+    return (1 + scale).to(dtype) - 1 if _narrower(scale, dtype) else scale
 
 
 def _gated_sum(residual: torch.Tensor, x: torch.Tensor, gate: Any) -> torch.Tensor:
@@ -163,6 +182,7 @@ def scale_residual_layer_norm_scale_shift_forward(
                 residual, x, g, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype
             )
         h = _gated_sum(residual, x, gate)
+        s, t = _widened_scale(s, h.dtype), _widened_shift(t, h.dtype)
         out = layer_norm_scale_shift(h, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype)
         return out, h
     except (TypeError, ValueError) as error:
