@@ -18,6 +18,7 @@ from pathlib import Path
 if importlib.util.find_spec("sglang") is None:
     collect_ignore_glob = ["*.py"]
 else:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every checkpoint is written locally
     _SITE = str(Path(__file__).parent / "_site")
     if _SITE not in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         os.environ["PYTHONPATH"] = os.pathsep.join(
