@@ -17,7 +17,19 @@ sglang process:
   ``--attention-backend-config``.
 
 Tested with sglang 0.5.21 (torch 2.13.0); ``tests/sglang`` runs in its own environment
-(``.ci/sglang``).
+(``.ci/sglang``). What the adapter relies on in sglang, to check on a new release:
+
+* ``sglang.multimodal_gen.runtime.platforms``: the entry-point group, ``PlatformEnum.OOT``,
+  ``builtin_platform_plugins`` (the host's detectors), the built-in classes ``CpuPlatform``,
+  ``CudaPlatform``, ``NPUPlatformBase``, ``Platform.init_backend`` and
+  ``apply_server_args_defaults``;
+* ``CustomOp.register_oot_forward`` and ``get_dispatch_key_name`` (ops bind in
+  ``__init__``);
+* the four norm classes' arguments and ``forward_native`` arithmetic, and
+  ``fuse_scale_shift_kernel_native`` (``sglang.kernels.ops.diffusion.common.fallback_torch``);
+* ``AttentionBackend``/``AttentionImpl`` (q/k/v ``[B, S, H, D]``), ``DenoisingStage``'s
+  ``build(current_timestep, skip_first_steps, sparsity, raw_latent_shape, patch_size)``
+  for ``BLOCK_SPARSE_ATTN``, ``get_forward_context().forward_batch.is_cfg_negative``.
 """
 
 from __future__ import annotations

@@ -130,9 +130,15 @@ class DitopsPlatformMixin:
         return super().get_attn_backend_cls_str(selected_backend, head_size, dtype)  # type: ignore[misc]
 
 
+def builtin_class(kind: str) -> type:
+    """sglang's built-in platform class for ``kind`` (one of :data:`KINDS`)."""
+    module, base_name, _ = KINDS[kind]
+    return getattr(importlib.import_module(module), base_name)
+
+
 def _make(kind: str) -> type:
-    module, base_name, name = KINDS[kind]
-    base = getattr(importlib.import_module(module), base_name)
+    _, base_name, name = KINDS[kind]
+    base = builtin_class(kind)
     doc = f"sglang's {base_name} with ditops' ops (see :mod:`{__name__}`)."
     namespace = {"kind": kind, "__module__": __name__, "__qualname__": name, "__doc__": doc}
     return type(name, (DitopsPlatformMixin, base), namespace)
