@@ -55,6 +55,8 @@ from ditops.ops.modulation_fp32 import layer_norm_scale_shift, scale_residual_la
 from ditops.ops.qk_norm_rope import rms_norm
 
 log = logging.getLogger(__name__)
+#: The sglang classes these forwards serve (by name, in ``layernorm``).
+SERVED = ("FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "ScaleResidualLayerNormScaleShift")
 _warned: set[str] = set()
 
 Modulation = Any  # a tensor or a Python number, in sglang's shapes
@@ -196,10 +198,11 @@ def register(platform_key: str) -> None:
     from sglang.multimodal_gen.runtime.layers import layernorm as ln
     from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
 
-    for cls, fn in (
-        (ln.FP32LayerNorm, fp32_layer_norm_forward),
-        (ln.RMSNorm, rms_norm_forward),
-        (ln.LayerNormScaleShift, layer_norm_scale_shift_forward),
-        (ln.ScaleResidualLayerNormScaleShift, scale_residual_layer_norm_scale_shift_forward),
-    ):
-        CustomOp.register_oot_forward(cls, fn=fn, platform_key=platform_key)
+    forwards = (
+        fp32_layer_norm_forward,
+        rms_norm_forward,
+        layer_norm_scale_shift_forward,
+        scale_residual_layer_norm_scale_shift_forward,
+    )
+    for name, fn in zip(SERVED, forwards):
+        CustomOp.register_oot_forward(getattr(ln, name), fn=fn, platform_key=platform_key)

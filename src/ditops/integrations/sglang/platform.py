@@ -28,6 +28,7 @@ What the mixin changes, and why:
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 import torch
@@ -111,9 +112,14 @@ class DitopsPlatformMixin:
 
     def init_backend(self) -> None:
         super().init_backend()  # type: ignore[misc]
-        from ditops.integrations.sglang.norms import register
+        from ditops.integrations.sglang.norms import SERVED, register
 
         register(self.get_dispatch_key_name())
+        logging.getLogger(__name__).warning(
+            "ditops platform (%s): ditops runs %s and block_sparse_attn; every other op runs "
+            "sglang's own %s forward",
+            self.kind, ", ".join(SERVED), self.kind,
+        )  # fmt: skip
 
     def apply_server_args_defaults(self, server_args: Any) -> None:
         super().apply_server_args_defaults(server_args)  # type: ignore[misc]
