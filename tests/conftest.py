@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -45,3 +46,12 @@ def ditops_warnings(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]
         ]
 
     return messages
+
+
+@pytest.fixture(autouse=True)
+def _seeded_rng() -> None:
+    """Each test draws its random inputs from the same seed, whatever ran before it: a
+    tolerance test on a few hundred elements is then a fixed case, not a lottery (with
+    inputs left to the previous tests' draws, 3 seeds in 2000 put one element more than
+    the per-element rate allows into a 960-element fast-path check)."""
+    torch.manual_seed(0)

@@ -153,13 +153,13 @@ def test_realised_density_is_the_one_asked_for_at_every_step(sparsity: float) ->
     def record(_module, args, _kwargs) -> None:
         seen.append(block_density(args[3]))
 
-    handle = block_sparse_attention.register_forward_pre_hook(record, with_kwargs=True)
+    handle = block_sparse_attention.op.register_forward_pre_hook(record, with_kwargs=True)
     try:
         for step in range(1, 4):
             q, k = wan_like_qk(WAN_SMALL, seed=step)
             with torch.inference_mode(), pytest.MonkeyPatch.context() as mp:
                 # Only the mask matters here: skip the attention's work.
-                mp.setattr(block_sparse_attention, "run", lambda call, *a, **kw: call.q)
+                mp.setattr(block_sparse_attention.op, "run", lambda call, *a, **kw: call.q)
                 layer(q, k, k, step=step)
     finally:
         handle.remove()

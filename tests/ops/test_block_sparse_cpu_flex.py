@@ -46,7 +46,7 @@ def amx(monkeypatch: pytest.MonkeyPatch):
 
 def chosen(*args) -> str:
     with torch.no_grad():
-        return block_sparse_attention.explain_call(*args).chosen
+        return block_sparse_attention.op.explain_call(*args).chosen
 
 
 def reasons_of(decision, name: str) -> list[str]:
@@ -73,7 +73,7 @@ def test_otherwise_the_gathered_path_with_the_reason(amx, case: str, reason: str
     dtype = {"fp32": torch.float32, "fp16": torch.float16}.get(case, torch.bfloat16)
     args = inputs(seq, dtype)
     with torch.no_grad():
-        decision = block_sparse_attention.explain_call(*args)
+        decision = block_sparse_attention.op.explain_call(*args)
     assert decision.chosen == "forward_cpu"
     assert any(reason in r for r in reasons_of(decision, "forward_cpu_flex")), decision
 
@@ -89,7 +89,7 @@ def test_no_cpp_compiler_refuses_flex_with_the_install_hint(
     reset_state()
     try:
         with torch.no_grad():
-            decision = block_sparse_attention.explain_call(*inputs(LONG))
+            decision = block_sparse_attention.op.explain_call(*inputs(LONG))
         assert decision.chosen == "forward_cpu"
         why = " ".join(reasons_of(decision, "forward_cpu_flex"))
         assert "'no-such-cxx-ditops'" in why and "install a C++ compiler" in why
@@ -110,13 +110,13 @@ def test_flex_failing_at_run_time_falls_back_then_uses_the_gathered_path(
         raise RuntimeError("C++ compile error (test double)")
 
     monkeypatch.setattr(flex_kernel, "flex_block_sparse_attention", broken)
-    want = block_sparse_attention.forward_native(q, k, v, mask, counts)
+    want = block_sparse_attention.op.forward_native(q, k, v, mask, counts)
     reset_state()
     try:
         with torch.no_grad(), caplog.at_level(logging.WARNING, logger="ditops"):
             first = block_sparse_attention(q, k, v, mask, counts)
             second = block_sparse_attention(q, k, v, mask, counts)
-            after = block_sparse_attention.explain_call(q, k, v, mask, counts)
+            after = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
         assert calls == ["flex"]  # tried once, then given up
         assert torch.equal(first, want)  # the failed call ran the meaning
         tol = bsa_op.ATTENTION_TOLERANCE[torch.bfloat16][0] * float(v.abs().max())
@@ -159,7 +159,7 @@ def test_two_threads_at_once_on_a_new_shape_get_the_same_outputs(amx) -> None:
     assert not errors, errors
     with torch.no_grad():
         alone = block_sparse_attention(q, k, v, mask, counts)
-        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+        assert block_sparse_attention.op.explain_call(q, k, v, mask, counts).chosen == (
             "forward_cpu_flex"
         )
     assert torch.equal(outs[0], alone) and torch.equal(outs[1], alone)
@@ -174,7 +174,7 @@ def test_flex_run_eagerly_still_computes_the_selected_blocks(amx, causal: bool) 
     amx(True)
     q, k, v, mask, counts = inputs(LONG)
     assert int((counts == 0).sum()) > 0  # rows that keep nothing: zeros in the meaning
-    want = block_sparse_attention.forward_native(q, k, v, mask, counts, causal=causal)
+    want = block_sparse_attention.op.forward_native(q, k, v, mask, counts, causal=causal)
     with torch.no_grad(), torch.compiler.set_stance("force_eager"):
         got = block_sparse_attention(q, k, v, mask, counts, causal=causal)
     tol = bsa_op.ATTENTION_TOLERANCE[torch.bfloat16]

@@ -84,7 +84,7 @@ def main() -> None:
                 density = density_stats(mask, q_len=q.shape[2], kv_len=k.shape[2],
                                         block_size=BLOCK).density  # fmt: skip
                 two = [t[:, :2] for t in (q, k, v, mask, counts)]
-                ref = block_sparse_attention.forward_native(*two)
+                ref = block_sparse_attention.op.forward_native(*two)
                 vmax = float(v.abs().max())
                 every = {"dense": lambda q=q, k=k, v=v: F.scaled_dot_product_attention(q, k, v)}
                 kern = kernels(q, k, v, mask, counts)

@@ -131,7 +131,7 @@ class _Probe(ModuleTimer):
             blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
             modules = [b.attn for b in blocks]
         super().__init__(modules, device)
-        self._handles.append(estimate_block_mask.register_forward_hook(estimated))  # fmt: skip
+        self._handles.append(estimate_block_mask.op.register_forward_hook(estimated))  # fmt: skip
 
 
 def run(

@@ -50,6 +50,7 @@ from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_flag
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 from ditops.ops.attention_args import (
     check_block_size,
     check_heads,
@@ -282,5 +283,42 @@ class BlockSparseAttentionOp(CustomOp):
         return npu_attention(c)
 
 
-#: ``block_sparse_attention(q, k, v, mask, counts, *, layout, scale, causal, block_size)``
-block_sparse_attention = BlockSparseAttentionOp()
+@public_op(BlockSparseAttentionOp())
+def block_sparse_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor,
+    counts: torch.Tensor,
+    *,
+    layout: str = "BNSD",
+    scale: float | None = None,
+    causal: bool = False,
+    block_size: int = 128,
+) -> torch.Tensor:
+    """Attention of each query block over its selected key blocks only.
+
+    Meaning: :func:`ditops.attention.reference.block_sparse_attention_reference`: for each
+    query block, softmax of ``q @ k.T * scale`` over the keys of the blocks ``mask`` keeps
+    (in fp32, rounded once), times v. A query block keeping no key block outputs zeros.
+
+    Shapes and dtypes:
+        q, k, v: ``[B, N, S, D]`` (``layout="BNSD"``) or ``[B, S, N, D]`` (``"BSND"``),
+            fp32/bf16/fp16, one dtype; k and v may have fewer heads (GQA) and v its own D.
+        mask: int8 or bool ``[B, N, Qb, >=KVb]``, 1 where a key block is kept (as
+            :func:`estimate_block_mask` returns).
+        counts: int32 ``[B, N, Qb]``, the number of kept blocks per row (checked against
+            the mask on CPU tensors; elsewhere reading it would wait for the device).
+        layout: ``"BNSD"`` or ``"BSND"``.
+        scale: the softmax scale (None: ``D ** -0.5``).
+        causal: keys after a query are masked too.
+        block_size: tokens per block of the mask (the NPU kernels: a multiple of 128).
+
+    Returns q's shape (with v's head dim) and dtype.
+
+    Precision: fast paths are ``fast`` only (``exact`` runs the meaning): within
+    ``ATTENTION_TOLERANCE`` of the meaning (about 1 ulp of ``max|v|``), as flash kernels
+    round probabilities before the second matmul. NaN and inf in q, k or v reach the output
+    where the meaning puts them (on CPU the meaning runs such a call; on accelerators the
+    output is mended on the device, no host sync).
+    """

@@ -32,6 +32,7 @@ from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_int
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 from ditops.ops.attention_args import (
     check_block_size,
     check_heads,
@@ -209,5 +210,57 @@ class EstimateBlockMask(CustomOp):
         return npu_estimate(c)
 
 
-#: ``estimate_block_mask(q, k, *, layout, block_size, stride, scale, threshold, ...)``
-estimate_block_mask = EstimateBlockMask()
+@public_op(EstimateBlockMask())
+def estimate_block_mask(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    layout: str = "BNSD",
+    block_size: int = 128,
+    stride: int = 8,
+    scale: float | None = None,
+    threshold: float = 1.0,
+    keep_ratio: float = 1.0,
+    keep_sink: bool = True,
+    keep_recent: bool = True,
+    causal: bool = False,
+    dense_blocks: int = 0,
+    forced_blocks: str = "in_budget",
+    method: str = OP_DEFAULT_METHOD,
+    samples: int = DEFAULT_SAMPLES,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A block mask for block-sparse attention, estimated from q and k.
+
+    Meaning: :func:`ditops.attention.estimate.estimate_block_mask_reference`: score every
+    (query block, key block) pair cheaply, then keep the best blocks within a budget. With
+    ``method="antidiagonal"`` (XAttention) the scores are strided antidiagonal sums of
+    ``q @ k.T * scale``; with ``"sampled"`` a few query rows per block attend exactly
+    (``samples`` of them); other methods: :data:`ditops.attention.methods.METHODS`.
+
+    Shapes and dtypes:
+        q, k: ``[B, N, S, D]`` (``layout="BNSD"``) or ``[B, S, N, D]`` (``"BSND"``),
+            fp32/bf16/fp16; k may have fewer heads (GQA) and its own length.
+        layout: ``"BNSD"`` or ``"BSND"``.
+        block_size: tokens per block, a positive int (128 on most kernels).
+        stride: the antidiagonal stride, dividing ``block_size``.
+        scale: the softmax scale (None: ``D ** -0.5``).
+        threshold: cumulative share of each row's mass kept before the cap, > 0
+            (>= 1 keeps everything the cap allows).
+        keep_ratio: in ``(0, 1]``: the share of the block map kept per head, forced blocks
+            included (``forced_blocks="in_budget"``), or sglang's per-row cap on scored
+            blocks with forced blocks on top (``"on_top"``).
+        keep_sink, keep_recent: force the first key block / the diagonal block on.
+        causal: score only keys at or before each query.
+        dense_blocks: leading block rows and columns forced on (the first video frame).
+        forced_blocks: ``"in_budget"`` or ``"on_top"`` (see ``keep_ratio``).
+        method: how blocks are scored and the budget spent.
+        samples: query rows per block of the sampled methods.
+
+    Returns ``(mask, counts)``: int8 ``[B, N, Qb, KVb]`` (1: the key block is kept) and
+    int32 ``[B, N, Qb]``, each row's kept blocks; ``Qb = ceil(Sq / block_size)``,
+    ``KVb = ceil(Skv / block_size)``. Pass both to :func:`block_sparse_attention`.
+
+    Precision: every fast path is ``fast`` only (``exact`` runs the meaning): their block
+    scores may differ by a few ulps of the input dtype, so near-ties can break the other
+    way; the density asked is the density returned.
+    """
