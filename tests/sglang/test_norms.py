@@ -201,3 +201,28 @@ def test_the_cpu_kernels_run_not_the_meaning(monkeypatch: pytest.MonkeyPatch) ->
         "layer_norm_scale_shift",
         "scale_residual_layer_norm_scale_shift",
     ]
+
+
+def test_the_npu_paths_run_inside_sglang(on_npu) -> None:
+    """Under ditops' NPU platform (CPU tensors taking ditops' ``npu`` paths; the legacy
+    ``attentions`` package as tests/doubles' double of it), sglang's norm modules reach the
+    NPU layer norm, and give sglang's meaning within ditops' fast contract."""
+    from tests.doubles.npu_attentions import fake_attentions
+
+    with ditops_platform("npu"):
+        mine = ln.LayerNormScaleShift(C, eps=1e-6, elementwise_affine=True)
+        fp32 = ln.FP32LayerNorm(C, eps=1e-6)
+    with stock_cpu_platform():
+        ref = ln.LayerNormScaleShift(C, eps=1e-6, elementwise_affine=True)
+    ref.load_state_dict(mine.state_dict())
+    x = (torch.randn(B, L, C) * 2).bfloat16()
+    shift, scale = _mods("row", torch.float32)
+    with fake_attentions() as calls:
+        got = mine(x, shift, scale)
+        normed = fp32(x)
+    assert len(calls.of("layernorm")) == B + 1  # one per sample (its modulation folded in), one
+    with native_expression():
+        expected = ref.forward_native(x, shift, scale)
+    size = torch.nn.functional.layer_norm(x.float(), (C,), eps=1e-6).abs()
+    assert ulps(got, expected, size * (1 + _rows(scale).abs()) + _rows(shift).abs()) <= 2
+    assert ulps(normed, fp32.forward_native(x), size) <= 1
