@@ -33,9 +33,21 @@ logger = logging.getLogger("ditops")
 # --- replacing a forward under whatever wraps it --------------------------------------------
 
 
+def own_forward_left(module: nn.Module, forward: Any) -> bool:
+    """Whether ``forward`` (found on the instance) is the module's class forward bound to
+    the module itself: what diffusers' ``HookRegistry.remove_hook`` leaves on the instance
+    when the last hook goes (``enable_cache`` then ``disable_cache``). That is no wrapper
+    and no hook: calling it is calling the module."""
+    return (
+        getattr(forward, "__self__", None) is module
+        and getattr(forward, "__func__", None) is type(module).forward
+    )
+
+
 def forward_wrapper_problem(module: nn.Module, where: str) -> str | None:
     """Why the forward of ``module`` cannot be replaced under its wrappers, or None."""
-    if not _innermost_slot(module) and "forward" in vars(module):
+    own = vars(module).get("forward")
+    if not _innermost_slot(module) and own is not None and not own_forward_left(module, own):
         wrapper = vars(module)["forward"]
         return (
             f"{where}.forward is replaced by something ditops does not know "
@@ -93,8 +105,12 @@ def attached_to(module: nn.Module) -> str | None:
     if hf_hook is not None:
         return f"an accelerate hook ({type(hf_hook).__name__})"
     forward = own.get("forward")
-    if forward is not None and getattr(forward, "func", None) is not guarded_forward:
-        return "a forward replaced on the instance"  # (ditops' own is a guarded_forward)
+    if (
+        forward is not None
+        and getattr(forward, "func", None) is not guarded_forward  # (ditops' own)
+        and not own_forward_left(module, forward)
+    ):
+        return "a forward replaced on the instance"
     return None
 
 
