@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -168,12 +169,32 @@ def guarded_forward(
 
     Installed as ``functools.partial(guarded_forward, module, bypass, fused, ops)``.
     """
-    reason = bypass.problem(module)
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    reason = FLOAT64 if float64_call(hidden) else bypass.problem(module)
     if reason is None:
         return fused(module, ops, *args, **kwargs)
     if not traced():
         note_unfused(module, reason)
     return type(module).forward(module, *args, **kwargs)
+
+
+#: Why a float64 call runs diffusers' own code (a model cast to float64 after its patch:
+#: ``patch`` refuses float64 models, see ``patching._refuse_float64``).
+FLOAT64 = (
+    "a float64 call runs diffusers' own code: ditops' fused ops and sparse attention take "
+    "float32, bfloat16 and float16"
+)
+_float64_said: list[bool] = []
+
+
+def float64_call(hidden_states: object) -> bool:
+    """Whether a call brings float64 activations; says so once (WARNING, ``ditops``)."""
+    if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == torch.float64):
+        return False
+    if not _float64_said and not traced():
+        _float64_said.append(True)
+        logger.warning("ditops: %s", FLOAT64)
+    return True
 
 
 def note_unfused(module: nn.Module, reason: str) -> None:

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
@@ -107,6 +108,25 @@ def family_of(model: nn.Module) -> ModelFamily:
     return next(f for f in FAMILIES if f.recognise(model))
 
 
+def _refuse_float64(model: nn.Module, family: ModelFamily, options: PatchOptions) -> None:
+    """Refuse a float64 model where ditops would fuse blocks or run sparse attention.
+
+    In float64 the fused blocks are not bitwise diffusers' arithmetic (diffusers rotates
+    q/k in fp32, the ops in the input dtype), and the mask estimate takes no float64:
+    refused here rather than a silent difference, or a TypeError at the first sparse step.
+    The generic family (norms only) computes as the FP32LayerNorm it replaces.
+    """
+    fuses = family.name != "generic" and (options.norms or options.attention is not None)
+    if fuses and any(p.dtype == torch.float64 for p in model.parameters()):
+        raise PatchError(
+            f"ditops.patch refuses this {type(model).__name__}: it is float64; nothing was "
+            "changed. ditops' fused blocks and sparse attention take float32, bfloat16 and "
+            "float16 (in float64 the fused arithmetic would not be bitwise diffusers', and "
+            "the mask estimate takes no float64): patch the model in one of those dtypes, "
+            "or run it unpatched (patch(..., norms=False, attention=None) changes nothing)"
+        )
+
+
 def patch(
     target: Any,
     *,
@@ -156,6 +176,7 @@ def patch(
                 existing.undo()
                 undone.append(existing)
             family = family_of(model)
+            _refuse_float64(model, family, options)
             todo.append((name, model, family, family.check(model, options), options))
         done: list[tuple[nn.Module, PatchRecord]] = []
         try:
