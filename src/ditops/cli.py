@@ -20,6 +20,7 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
+from ditops.bench.harness import positive_seconds
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
 
@@ -379,7 +380,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan suite under diffusers' context parallelism, one rank per process: launch "
         "with torchrun --nproc-per-node N -m ditops bench --parallel MODE",
     )
-    bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
+    bench.add_argument(
+        "--min-seconds", type=positive_seconds, default=0.5, help="time spent per variant (> 0)"
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
         "--malloc",

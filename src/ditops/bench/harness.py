@@ -418,6 +418,18 @@ def write_run_json(
     write_json(path, {"machine": machine_info(device), "command": command, **fields})
 
 
+def positive_seconds(text: str) -> float:
+    """argparse type of ``--min-seconds``: a positive finite number of seconds (a bad
+    value exits 2 with argparse's message before anything runs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def case_suite_parser(prog: str, sizes: Iterable[str]) -> argparse.ArgumentParser:
     """The arguments of a suite's own ``python -m`` entry: ``--size`` (one of ``sizes``),
     ``--dtype``, ``--device``, ``--json``, ``--min-seconds``, ``--no-progress``."""
@@ -426,7 +438,7 @@ def case_suite_parser(prog: str, sizes: Iterable[str]) -> argparse.ArgumentParse
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, metavar="PATH")
-    parser.add_argument("--min-seconds", type=float, default=0.5)
+    parser.add_argument("--min-seconds", type=positive_seconds, default=0.5)
     parser.add_argument("--no-progress", action="store_true")
     return parser
 
