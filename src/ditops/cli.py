@@ -82,6 +82,9 @@ def _info(args: argparse.Namespace) -> int:
 def _bench_argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the bench's arguments (a device that is not there, an output
     that cannot be written), in one line, or None."""
+    for flag in ("device", "json"):  # '' would silently mean the default / no file
+        if getattr(args, flag, None) == "":
+            return f"--{flag} is empty; give a {'device' if flag == 'device' else 'file path'}"
     if args.device:
         try:
             torch.empty(0, device=torch.device(args.device))

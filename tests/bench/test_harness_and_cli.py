@@ -331,6 +331,8 @@ def test_bench_runs_malloc_suites_in_both_states(
         (["--json", "/nonexistent-ditops/x.json"], "the folder /nonexistent-ditops does not exist"),
         (["--plot", "/nonexistent-ditops/p.png"], "the folder /nonexistent-ditops does not exist"),
         (["--json", "."], "is a directory"),
+        (["--json", ""], "--json is empty"),
+        (["--device", ""], "--device is empty"),
     ],
 )
 def test_bad_bench_arguments_are_one_line_and_exit_2_before_any_benchmark(
