@@ -58,7 +58,7 @@ def check_method(
     method: object, samples: object, *, forced_blocks: str, threshold: float, where: str
 ) -> None:
     """Raise a ValueError saying what is valid when ``method``/``samples`` are not."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"{where}: method must be one of {tuple(METHODS)}, got {method!r}")
     number = as_int(samples)
     if number is None or number < 1:

@@ -27,6 +27,7 @@ from ditops.integrations.flux import FluxFamily
 from ditops.integrations.hunyuan_video import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video15 import HunyuanVideo15Family
 from ditops.integrations.norms import GenericFamily
+from ditops.integrations.steps import StepState
 from ditops.integrations.wan import WanFamily
 
 logger = logging.getLogger("ditops")
@@ -108,6 +109,19 @@ def family_of(model: nn.Module) -> ModelFamily:
     return next(f for f in FAMILIES if f.recognise(model))
 
 
+def _keep_hand_set_step(model: nn.Module, undone: list[PatchRecord]) -> None:
+    """A step set by hand (``set_step``) before a re-patch holds after it, as the other
+    options left out do: the new step state takes it from the one the old patch set."""
+    new = vars(model).get("_ditops_steps")
+    if new is None:
+        return
+    for record in undone:
+        for change in record.changes:
+            old = getattr(change, "value", None)
+            if getattr(change, "obj", None) is model and isinstance(old, StepState):
+                new.manual = old.manual
+
+
 def _refuse_float64(model: nn.Module, family: ModelFamily, options: PatchOptions) -> None:
     """Refuse a float64 model where ditops would fuse blocks or run sparse attention.
 
@@ -185,6 +199,7 @@ def patch(
                 done.append((model, record))
                 family.apply(model, plan, record, options)
                 report[name], unfused[name] = dict(record.summary), dict(record.unfused)
+                _keep_hand_set_step(model, undone)
         except BaseException:
             for _, record in reversed(done):
                 record.undo()
