@@ -111,3 +111,20 @@ def test_set_step_inside_a_context_and_as_a_context_manager() -> None:
     assert steps.current() == 4  # a refused step changes nothing
     ditops.set_step(model, None)
     assert steps.current() is None
+
+
+def test_a_hand_set_step_not_used_inside_a_context_says_so_once(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A loop of one's own that enters cache_context("cond") without a step index and sets
+    the step outside it: the context's counted step is used, and ditops says so once."""
+    model = wan_t.tiny_wan(keep_fp32=False)
+    ditops.patch(model, attention=CFG)
+    x = wan_t.inputs(frames=4, hw=16)
+    ditops.set_step(model, 3)
+    with caplog.at_level("WARNING", logger="ditops"):
+        for _ in range(2):
+            with torch.inference_mode(), model.cache_context("cond"):
+                model(**x, return_dict=False)
+    said = [r for r in caplog.records if "set_step (3) holds for calls outside" in r.message]
+    assert len(said) == 1 and "counted from its timesteps (0)" in said[0].getMessage()

@@ -33,6 +33,7 @@ step index given (the context's, or :func:`set_step`'s inside the context) wins.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -42,6 +43,9 @@ from torch import nn
 
 from ditops.core.checks import as_int
 from ditops.integrations.base import AttrSet, PatchRecord, TorchHook
+from ditops.tracing import traced
+
+logger = logging.getLogger("ditops")
 
 
 class _PerThread:
@@ -75,6 +79,7 @@ class StepState:
 
     def __init__(self, patch_size: tuple[int, ...] = (1, 2, 2), count_steps: bool = False) -> None:
         self.manual: int | None = None
+        self.said = False  # the warning of current() given
         self.patch_size = patch_size
         self.count_steps = count_steps  # count steps from timesteps (see the module docstring)
         self._local = threading.local()
@@ -88,8 +93,20 @@ class StepState:
     def current(self) -> int | None:
         if self.step is not None:  # the context's step index (or set_step's inside it)
             return self.step
-        if self.manual is not None and not self.inside:
-            return self.manual
+        if self.manual is not None:
+            if not self.inside:
+                return self.manual
+            if not self.said and not traced():
+                self.said = True  # once: a pipeline after a loop of one's own meets this
+                logger.warning(
+                    "ditops: the step set with set_step (%s) holds for calls outside "
+                    "cache_context; this call inside cache_context(%r) brings no step index "
+                    "and takes the step counted from its timesteps (%s). Call set_step inside "
+                    "the context to set its step, or set_step(model, None) to clear yours.",
+                    self.manual,
+                    self.branch,
+                    self.counted,
+                )
         return self.counted
 
     def count(self, timestep: float) -> None:
@@ -202,8 +219,10 @@ def set_step(model: nn.Module, step: int | None) -> StepScope:
     ``skip_first_steps`` > 0). Inside a ``cache_context`` (every diffusers pipeline
     call) the context's own step index, or the step ditops counts from the timesteps
     for pipelines that give none, is the step, so a step left over from your loop never
-    overrides a later pipeline call. Called inside a ``cache_context``, it sets that
-    context's step (for the calling thread) until the context exits.
+    overrides a later pipeline call (ditops warns once when a call inside a context
+    brings no step index while a hand-set step is in force). Called inside a
+    ``cache_context``, it sets that context's step (for the calling thread) until the
+    context exits.
 
     Also a context manager: ``with ditops.set_step(model, i): model(...)`` gives the step
     in force before back on exit.
