@@ -20,7 +20,7 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
-from ditops.bench.harness import positive_seconds
+from ditops.core.checks import positive_seconds
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
 

@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import torch
 
 from ditops._version import __version__
+from ditops.core.checks import positive_seconds
 
 
 @dataclass
@@ -416,18 +417,6 @@ def write_run_json(
     the command line (``prog`` and ``argv``, None: this process's arguments)."""
     command = " ".join([prog, *(argv or sys.argv[1:])])
     write_json(path, {"machine": machine_info(device), "command": command, **fields})
-
-
-def positive_seconds(text: str) -> float:
-    """argparse type of ``--min-seconds``: a positive finite number of seconds (a bad
-    value exits 2 with argparse's message before anything runs)."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
-    return value
 
 
 def case_suite_parser(prog: str, sizes: Iterable[str]) -> argparse.ArgumentParser:

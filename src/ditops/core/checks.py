@@ -7,6 +7,7 @@ normalised (a float, an int), so a ``prepare`` reads as one line per argument.
 
 from __future__ import annotations
 
+import argparse
 import math
 import numbers
 import operator
@@ -132,4 +133,16 @@ def check_precision(value: object, owner: str = "precision") -> str | None:
     """``"fast"``, ``"exact"`` or None (follow the settings)."""
     if value is not None and (not isinstance(value, str) or value not in PRECISIONS):
         raise ValueError(f"{owner} must be 'fast', 'exact' or None, got {value!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of ``--min-seconds``: a positive finite number of seconds (a bad
+    value exits 2 with argparse's message before anything runs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
