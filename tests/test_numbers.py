@@ -53,6 +53,12 @@ ACCEPTED: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: BlockSparseConfig(method="antidiagonal", threshold=np.float64(0.9)),
         lambda: BlockSparseConfig(method="antidiagonal", threshold=0.9),
     ),
+    "BlockSparseConfig.mass, clusters": (
+        lambda: BlockSparseConfig(
+            mass=np.float32(0.5), clusters=np.int64(4), method="sampled_head"
+        ),
+        lambda: BlockSparseConfig(mass=0.5, clusters=4, method="sampled_head"),
+    ),
     "BlockSparseConfig 0-d int tensor": (
         lambda: BlockSparseConfig(skip_first_steps=torch.tensor(3)),
         lambda: BlockSparseConfig(skip_first_steps=3),

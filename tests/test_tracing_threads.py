@@ -51,7 +51,7 @@ def test_an_eager_sparse_call_keeps_its_non_finite_rule_and_compiled_flex(
     blocks = -(-seq // 128)
     mask, counts = random_mask(1, 2, blocks, blocks, seed=3, density=0.25)
     with torch.no_grad():
-        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+        assert block_sparse_attention.op.explain_call(q, k, v, mask, counts).chosen == (
             "forward_cpu_flex"
         )
         block_sparse_attention(q, k, v, mask, counts)  # compiles (holds its own function)
@@ -71,7 +71,7 @@ def test_an_eager_sparse_call_keeps_its_non_finite_rule_and_compiled_flex(
         v = v.clone()
         v[0, 0, 5, 0] = float("nan")
         out = block_sparse_attention(q, k, v, mask, counts)
-    want = block_sparse_attention.forward_native(q, k, v, mask, counts)
+    want = block_sparse_attention.op.forward_native(q, k, v, mask, counts)
     assert torch.equal(out.isnan(), want.isnan()) and bool(want.isnan().any())
 
 

@@ -70,15 +70,15 @@ with torch.no_grad(), config.override(strict=True):
                 gt, s, t = rnd(*shp, dt=mdt), rnd(*shp, dt=mdt), rnd(*shp, dt=mdt)
                 key = f"{str(act)[6:]}-{str(mdt)[6:]}-{kind}"
                 args = (h, a, gt, w, b, s, t, 1e-6, None)
-                chosen = fused.explain_call(*args).chosen
+                chosen = fused.op.explain_call(*args).chosen
                 o, nr = fused(*args[:-1])
-                ro, rnr = fused.forward_native(*args)
+                ro, rnr = fused.op.forward_native(*args)
                 lo = lss(h, w, b, s, t, 1e-6)
-                rlo = lss.forward_native(h, w, b, s, t, 1e-6, None)
+                rlo = lss.op.forward_native(h, w, b, s, t, 1e-6, None)
                 go = gr(h, a, gt)
                 with config.override(precision="exact"):
                     eo, enr = fused(*args[:-1])
-                    echosen = fused.explain_call(*args).chosen
+                    echosen = fused.op.explain_call(*args).chosen
                 checks[key] = {
                     "chosen": chosen,
                     "exact_chosen": echosen,

@@ -116,9 +116,9 @@ def mask_agreement(q, k, opts: dict[str, Any], dtype: torch.dtype) -> dict[str, 
     kw = {"block_size": BLOCK, "stride": opts["stride"], "keep_ratio": opts["keep_ratio"],
           "threshold": opts["threshold"], "causal": opts["causal"]}  # fmt: skip
     with torch.inference_mode():
-        path = estimate_block_mask.explain_call(q, k, **kw).chosen
+        path = estimate_block_mask.op.explain_call(q, k, **kw).chosen
         mask, _ = estimate_block_mask(q, k, **kw)
-        want, _ = estimate_block_mask.forward_native(
+        want, _ = estimate_block_mask.op.forward_native(
             q, k, layout="BNSD", scale=None, keep_sink=True, keep_recent=True,
             dense_blocks=0, **kw,
         )  # fmt: skip
@@ -206,7 +206,7 @@ def agreement_section() -> None:
         q[0, 1, AGREE_S // 3, 0] = float("nan")
         with torch.inference_mode():
             got = estimate_block_mask(q, k, block_size=BLOCK, stride=STRIDES[1], keep_ratio=0.3)
-            want = estimate_block_mask.forward_native(
+            want = estimate_block_mask.op.forward_native(
                 q, k, layout="BNSD", block_size=BLOCK, stride=STRIDES[1], scale=None,
                 threshold=1.0, keep_ratio=0.3, keep_sink=True, keep_recent=True,
                 causal=False, dense_blocks=0,
@@ -274,7 +274,7 @@ def cost_section() -> None:
                     row["selection_ms"] = bench(lambda: mask_from_scores(scores, **select))
                     row["op_ms"] = bench(lambda: estimate_block_mask(q, k, **op_kw))
                     row["native_ms"] = bench(
-                        lambda: estimate_block_mask.forward_native(
+                        lambda: estimate_block_mask.op.forward_native(
                             q, k, layout="BNSD", scale=None, **op_kw,
                             **{n: x for n, x in select.items() if n != "keep_ratio"},
                         )

@@ -95,19 +95,19 @@ with torch.inference_mode(), config.override(strict=True):
                     args = (q, k, w, w, cos, sin, EPS)
                     kw = {"across_heads": across, "layout": layout, "convention": convention}
                     key = f"{str(dt)[6:]}-{convention}-{'across' if across else 'head'}-{layout}"
-                    chosen = qk_norm_rope.explain_call(*args, **kw).chosen
+                    chosen = qk_norm_rope.op.explain_call(*args, **kw).chosen
                     got = qk_norm_rope(*args, **kw)
-                    want = qk_norm_rope.forward_native(
+                    want = qk_norm_rope.op.forward_native(
                         *args, across_heads=across, layout=layout, convention=convention
                     )
                     with config.override(precision="exact"):
                         ex = qk_norm_rope(*args, **kw)
                     x = rnd(B, L, H, D, dt=dt)
                     rot = rotary_embedding(x, cos, sin, layout)
-                    rot_ref = rotary_embedding.forward_native(x, cos, sin, layout)
+                    rot_ref = rotary_embedding.op.forward_native(x, cos, sin, layout)
                     nx = rnd(B * L, n, dt=dt, sc=3)
                     nrm = rms_norm(nx, w, EPS, convention)
-                    nrm_ref = rms_norm.forward_native(nx, w, EPS, convention)
+                    nrm_ref = rms_norm.op.forward_native(nx, w, EPS, convention)
                     checks[key] = {
                         "chosen": chosen,
                         "fused_q": pair_stats(got[0], want[0], layout),
@@ -134,7 +134,7 @@ def bench(fn):
 
 
 def meaning(q, k, wq, wk, cos, sin, across):
-    return qk_norm_rope.forward_native(q, k, wq, wk, cos, sin, EPS, across_heads=across)
+    return qk_norm_rope.op.forward_native(q, k, wq, wk, cos, sin, EPS, across_heads=across)
 
 
 compiled = torch.compile(meaning, dynamic=False)

@@ -17,6 +17,7 @@ from ditops.layers.sparse_attention import BlockSparseAttention
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
 from ditops.ops.gelu import gelu_tanh_bias
+from ditops.ops.layer_norm import fp32_layer_norm
 from ditops.ops.modulation_fp32 import (
     gated_residual,
     layer_norm_scale_shift,
@@ -42,6 +43,7 @@ __all__ = [
     "ScaleResidualLayerNormScaleShift",
     "block_sparse_attention",
     "estimate_block_mask",
+    "fp32_layer_norm",
     "gated_residual",
     "gelu_tanh_bias",
     "layer_norm_scale_shift",

@@ -49,9 +49,9 @@ def test_masks_match_native_except_near_ties(no_avx512, dtype, case, layout) -> 
     q, k = qk(dtype)
     qi, ki = (q, k) if layout == "BNSD" else (q.transpose(1, 2), k.transpose(1, 2))
     with torch.inference_mode(), config.override(strict=True):
-        assert estimate_block_mask.explain_call(qi, ki, layout=layout, **opts, **SMALL).chosen == (
-            "forward_cpu"
-        )
+        assert estimate_block_mask.op.explain_call(
+            qi, ki, layout=layout, **opts, **SMALL
+        ).chosen == ("forward_cpu")
         mask, counts = estimate_block_mask(qi, ki, layout=layout, **opts, **SMALL)
         with config.override(custom_ops="-estimate_block_mask"):
             want, _ = estimate_block_mask(qi, ki, layout=layout, **opts, **SMALL)
@@ -66,10 +66,10 @@ def test_fp32_and_avx512_machines_run_the_meaning(monkeypatch: pytest.MonkeyPatc
     reset_state()
     monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX2")
     with torch.inference_mode():
-        assert estimate_block_mask.explain_call(q, k, **SMALL).chosen == "forward_native"
+        assert estimate_block_mask.op.explain_call(q, k, **SMALL).chosen == "forward_native"
         reset_state()
         monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
-        explained = estimate_block_mask.explain_call(q.bfloat16(), k.bfloat16(), **SMALL)
+        explained = estimate_block_mask.op.explain_call(q.bfloat16(), k.bfloat16(), **SMALL)
         assert explained.chosen == "forward_native"
         assert "multiplies bf16/fp16 natively" in str(explained)
     reset_state()

@@ -147,11 +147,11 @@ def test_bad_methods_are_refused_saying_what_is_valid() -> None:
 def test_kernels_that_cannot_score_sampled_rows_say_so(kind: str) -> None:
     q, k = qk()
     path_reasons = estimate_reasons if kind == "npu" else triton_estimate_reasons
-    reasons = path_reasons(estimate_block_mask.prepare(q, k, method="sampled", **SMALL))
+    reasons = path_reasons(estimate_block_mask.op.prepare(q, k, method="sampled", **SMALL))
     assert any("antidiagonal scores only" in r for r in reasons)
     if kind == "npu":
         reasons = path_reasons(
-            estimate_block_mask.prepare(q, k, method="antidiagonal_head", **SMALL)
+            estimate_block_mask.op.prepare(q, k, method="antidiagonal_head", **SMALL)
         )
         assert any("budget per row only" in r for r in reasons)
 
@@ -163,7 +163,7 @@ def test_cpu_path_serves_the_sampled_method(monkeypatch: pytest.MonkeyPatch) -> 
     opts = {"keep_ratio": 0.3, "dense_blocks": 1, "method": "sampled", **SMALL}
     try:
         with torch.inference_mode(), config.override(strict=True):
-            assert estimate_block_mask.explain_call(q, k, **opts).chosen == "forward_cpu"
+            assert estimate_block_mask.op.explain_call(q, k, **opts).chosen == "forward_cpu"
             mask, _ = estimate_block_mask(q, k, **opts)
         want, _ = estimate_block_mask_reference(q.float(), k.float(), **opts)
     finally:

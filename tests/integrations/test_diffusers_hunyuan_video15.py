@@ -125,7 +125,7 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise() -> None:
     from ditops.ops.estimate_block_mask import estimate_block_mask
 
     calls: list = []
-    hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))
+    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
     try:
         model = tiny_model()
         x = inputs(batch=2, **SPARSE_VIDEO)

@@ -236,7 +236,7 @@ def test_masks_reused_per_layer_and_guidance_branch_in_a_pipeline_loop() -> None
     uncond = {**x, "encoder_hidden_states": torch.randn(1, 7, 16, generator=gen).bfloat16()}
     estimates: list[tuple[int | None, str | None]] = []
     steps = model._ditops_steps
-    hook = estimate_block_mask.register_forward_hook(
+    hook = estimate_block_mask.op.register_forward_hook(
         lambda *_: estimates.append((steps.current(), steps.branch))
     )
     try:

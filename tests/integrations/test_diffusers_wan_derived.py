@@ -189,7 +189,7 @@ def estimates() -> list:
     from ditops.ops.estimate_block_mask import estimate_block_mask
 
     calls: list = []
-    hook = estimate_block_mask.register_forward_hook(lambda _m, _a, out: calls.append(out))
+    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
     yield calls
     hook.remove()
 

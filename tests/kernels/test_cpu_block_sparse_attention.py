@@ -202,7 +202,7 @@ def test_the_op_takes_this_path_on_cpu() -> None:
     q, k, v = qkv(4, 2, 1000, 64, torch.bfloat16)
     mask, counts = random_mask(1, 4, 8, 8, seed=12)
     with torch.no_grad():
-        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
         out = block_sparse_attention(*bsnd(q, k, v), mask, counts, layout="BSND")
     assert decision.chosen == "forward_cpu"
     assert_attention_close(out.transpose(1, 2), native_attention(q, k, v, mask, counts), v)

@@ -73,15 +73,15 @@ def test_exact_fused_is_the_meaning(
         wq, wk = (torch.randn(n) * 0.5 + 1).to(w_dtype), (torch.randn(n) * 0.5 + 1).to(w_dtype)
         cos, sin = _tables(tables, t_dtype)
         args = (q, k, wq, wk, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(
+        want = qk_norm_rope.op.forward_native(
             *args, across_heads=across, layout=layout, convention=convention
         )
-        qk_norm_rope.precision = "exact"
+        qk_norm_rope.op.precision = "exact"
         try:
             with torch.inference_mode():
                 got = qk_norm_rope(*args, across_heads=across, layout=layout, convention=convention)
         finally:
-            qk_norm_rope.precision = None
+            qk_norm_rope.op.precision = None
         assert_exact(got[0], want[0])
         assert_exact(got[1], want[1])
 
@@ -99,7 +99,7 @@ def test_fast_fused_within_tolerance(
     for tables in ("pair", "shared_full"):  # the tolerance is stated for rotations
         cos, sin = _tables(tables, FP32)
         args = (q, k, wq, wk, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(
+        want = qk_norm_rope.op.forward_native(
             *args, across_heads=across, layout=layout, convention=convention
         )
         with torch.inference_mode():
@@ -116,7 +116,7 @@ def test_fast_fused_without_weights_or_in_fp32(small_blocks: None, weights: str)
     w = {"none": None, "same": torch.rand(D).bfloat16(), "fp32": torch.rand(D)}[weights]
     for convention in ("torch", "diffusers"):
         args = (q, k, w, w, cos, sin, EPS)
-        want = qk_norm_rope.forward_native(
+        want = qk_norm_rope.op.forward_native(
             *args, across_heads=False, layout="interleaved", convention=convention
         )
         with torch.inference_mode():
@@ -136,7 +136,7 @@ def test_rotary_is_exact_in_both_modes(
 ) -> None:
     x, _ = _strided(dtype)
     cos, sin = _tables(tables, FP32 if t_dtype == "fp32" else dtype)
-    want = rotary_embedding.forward_native(x, cos, sin, layout)
+    want = rotary_embedding.op.forward_native(x, cos, sin, layout)
     with torch.inference_mode():
         assert_exact(rotary_embedding(x, cos, sin, layout), want)
 
@@ -151,13 +151,13 @@ def test_rms_norm_exact_and_fast(
     x = (torch.randn(5, 7, 48) * 3).to(dtype)[:, 1:]  # strided rows
     wd = dtype if w_dtype == "same" else w_dtype
     w = None if wd is None else (torch.randn(48) * 0.5 + 1).to(wd)
-    want = rms_norm.forward_native(x, w, EPS, convention)
-    rms_norm.precision = "exact"
+    want = rms_norm.op.forward_native(x, w, EPS, convention)
+    rms_norm.op.precision = "exact"
     try:
         with torch.inference_mode():
             assert_exact(rms_norm(x, w, EPS, convention), want)
     finally:
-        rms_norm.precision = None
+        rms_norm.op.precision = None
     with torch.inference_mode():
         got = rms_norm(x, w, EPS, convention)
     if got.dtype == FP32:
@@ -170,7 +170,7 @@ def test_rms_norm_exact_and_fast(
 def test_rms_norm_of_one_huge_row_is_exact() -> None:
     """A row long enough that a reduction could be split across threads."""
     x = torch.randn(1, 70000).bfloat16()
-    want = rms_norm.forward_native(x, None, EPS, "torch")
+    want = rms_norm.op.forward_native(x, None, EPS, "torch")
     assert_exact(K.rms_norm(x, None, EPS, "torch", True), want)
 
 

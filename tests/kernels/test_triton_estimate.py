@@ -166,7 +166,7 @@ def op_masks(q, k, **kw):
     """(triton mask, counts), (native mask, counts), on BNSD inputs given in kw's layout."""
     reset_state()
     with ditops.force_device_kind({"cpu": "cuda"}), torch.no_grad(), config.override(strict=True):
-        assert estimate_block_mask.explain_call(q, k, **kw).chosen == "forward_cuda"
+        assert estimate_block_mask.op.explain_call(q, k, **kw).chosen == "forward_cuda"
         got = estimate_block_mask(q, k, **kw)
     return got, estimate_block_mask(q, k, **kw)
 
@@ -255,14 +255,14 @@ def test_dispatch_refusals():
     q, k = make_qk(2, 2, 100, dim=16)
     reset_state()
     with ditops.force_device_kind({"cpu": "cuda"}), torch.no_grad():
-        decision = estimate_block_mask.explain_call(q, k, block_size=256, stride=1)
+        decision = estimate_block_mask.op.explain_call(q, k, block_size=256, stride=1)
         assert decision.chosen == "forward_native"
         assert any("at most 128" in r for c in decision.candidates for r in c.reasons)
         with config.override(precision="exact"):
-            assert estimate_block_mask.explain_call(q, k).chosen == "forward_native"
+            assert estimate_block_mask.op.explain_call(q, k).chosen == "forward_native"
         q.requires_grad_(True)
         with torch.enable_grad():
-            assert estimate_block_mask.explain_call(q, k).chosen == "forward_native"
+            assert estimate_block_mask.op.explain_call(q, k).chosen == "forward_native"
 
 
 def test_bad_passes():

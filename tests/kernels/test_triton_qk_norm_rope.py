@@ -37,7 +37,7 @@ def test_rotation_is_bitwise_eager(dtype: torch.dtype, layout: str, tables: str)
     x[0, 1, 0, 2] = float("nan")
     x[1, 3, 2, 5] = float("inf")
     cos, sin = _tables(tables)
-    want = rotary_embedding.forward_native(x, cos.unsqueeze(2), sin.unsqueeze(2), layout)
+    want = rotary_embedding.op.forward_native(x, cos.unsqueeze(2), sin.unsqueeze(2), layout)
     assert_exact(T.rotary_embedding(x, cos, sin, layout), want)
 
 
@@ -55,7 +55,7 @@ def test_fused_within_tolerance(
     wq, wk = (torch.randn(n) * 0.5 + 1).to(dtype), (torch.randn(n) * 0.5 + 1).to(dtype)
     cos, sin = _tables("pair")
     args = (q, k, wq, wk, cos.unsqueeze(2), sin.unsqueeze(2), EPS)
-    want = qk_norm_rope.forward_native(
+    want = qk_norm_rope.op.forward_native(
         *args, across_heads=across, layout=layout, convention=convention
     )
     got = T.qk_norm_rope(q, k, wq, wk, cos, sin, EPS, across, layout, convention)
@@ -72,7 +72,7 @@ def test_fused_without_weights_and_nan() -> None:
     q, k = torch.randn(B, L, H, D).bfloat16(), torch.randn(B, L, H, D).bfloat16()
     q[1, 2, 1, 3] = float("nan")
     cos, sin = _tables("shared_full")
-    want = qk_norm_rope.forward_native(q, k, None, None, cos.unsqueeze(2), sin.unsqueeze(2),
+    want = qk_norm_rope.op.forward_native(q, k, None, None, cos.unsqueeze(2), sin.unsqueeze(2),
                                        EPS, across_heads=False)  # fmt: skip
     got = T.qk_norm_rope(q, k, None, None, cos, sin, EPS, False, "interleaved", "torch")
     assert got[0][1, 2, 1].isnan().all() and not got[0][1, 2, 0].isnan().any()
@@ -88,7 +88,7 @@ def test_rms_norm(dtype: torch.dtype, convention: str, w_dtype: object) -> None:
     x = (torch.randn(3, 6, 2 * 40) * 3).to(dtype)[..., :40]  # strided rows
     wd = dtype if w_dtype == "same" else w_dtype
     w = None if wd is None else (torch.randn(40) * 0.5 + 1).to(wd)
-    want = rms_norm.forward_native(x, w, EPS, convention)
+    want = rms_norm.op.forward_native(x, w, EPS, convention)
     got = T.rms_norm(x, w, EPS, convention)
     if got.dtype == FP32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)

@@ -97,7 +97,7 @@ def _args(kind: str, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
 def test_cpu_matches_flux_expressions(kind: str, dtype: str, precision: str) -> None:
     h, a, gate, scale, shift = _args(kind, DTYPES[dtype])
     with torch.no_grad(), config.override(precision=precision, strict=True):
-        assert adaln_modulate.explain_call(h, scale, shift, EPS).chosen == "forward_cpu"
+        assert adaln_modulate.op.explain_call(h, scale, shift, EPS).chosen == "forward_cpu"
         res = flux_residual(h, a, gate)
         assert_exact(adaln_residual(h, a, gate), res)  # exact in both modes
         out, new = adaln_residual_modulate(h, a, gate, scale, shift, EPS)
@@ -122,7 +122,7 @@ def test_native_is_the_flux_expression_with_promotion() -> None:
     paths decline them by name and the meaning runs."""
     h = torch.randn(B, L, C).bfloat16()
     scale, shift = _rnd(B, 1, C, dtype=torch.float32), _rnd(B, 1, C, dtype=torch.bfloat16)
-    decision = adaln_modulate.explain_call(h, scale, shift, EPS)
+    decision = adaln_modulate.op.explain_call(h, scale, shift, EPS)
     assert decision.chosen == "forward_native"
     assert "scale is float32 with bfloat16 activations" in " ".join(decision.candidates[0].reasons)
     out = adaln_modulate(h, scale, shift, EPS)
@@ -187,7 +187,7 @@ def on_cuda() -> Any:
 )
 def test_triton_path(on_cuda: None, kind: str, dtype: str) -> None:
     h, a, gate, scale, shift = _args(kind, DTYPES[dtype])
-    assert adaln_modulate.explain_call(h, scale, shift, EPS).chosen == "forward_cuda"
+    assert adaln_modulate.op.explain_call(h, scale, shift, EPS).chosen == "forward_cuda"
     res = flux_residual(h, a, gate)
     assert_exact(adaln_residual(h, a, gate), res)  # eager's roundings
     out, new = adaln_residual_modulate(h, a, gate, scale, shift, EPS)

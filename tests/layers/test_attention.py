@@ -69,7 +69,7 @@ def bsnd(*ts: torch.Tensor) -> list[torch.Tensor]:
 
 def native_attention(q, k, v, mask, counts, **kw) -> torch.Tensor:
     with torch.no_grad():
-        return block_sparse_attention.forward_native(
+        return block_sparse_attention.op.forward_native(
             q, k, v, mask, counts, **{"layout": "BNSD", "scale": None, "causal": False,
                                       "block_size": 128, **kw}
         )  # fmt: skip
@@ -99,7 +99,7 @@ def test_cpu_and_cuda_paths_match_native(
         out = block_sparse_attention(q, k, v, mask, counts)
         # BSND: for FlexAttention the same compiled shape (made contiguous BNSD inside).
         out_bsnd = block_sparse_attention(*bsnd(q, k, v), mask, counts, layout="BSND")
-        chosen = block_sparse_attention.explain_call(q, k, v, mask, counts).chosen
+        chosen = block_sparse_attention.op.explain_call(q, k, v, mask, counts).chosen
     assert chosen == f"forward_{kind}"
     assert_attention_close(out, want, v)
     assert bool((out[:, :, :128] == 0).all())
@@ -141,7 +141,7 @@ def test_nan_and_inf_propagate_as_in_the_meaning(where: str) -> None:
     assert bool(want.isnan().any())
     with torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts)
-        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
     gathered = next(c for c in decision.candidates if c.path == "forward_cpu")
     assert any("NaN or inf" in r for r in gathered.reasons)
@@ -197,7 +197,7 @@ def test_nan_is_mended_on_the_device_as_in_the_meaning(
     assert bool(want.isnan().any()) and bool(want.isfinite().any())
     _blind_cuda_path(monkeypatch, blind)
     with ditops.force_device_kind({"cpu": "cuda"}), torch.no_grad():
-        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
         with no_host_reads(monkeypatch):
             out = block_sparse_attention(q, k, v, mask, counts)
             out_bsnd = block_sparse_attention(*bsnd(q, k, v), mask, counts, layout="BSND")
@@ -248,7 +248,7 @@ def test_causal_bf16_odd_length(kind: str, monkeypatch: pytest.MonkeyPatch) -> N
     forced = ditops.force_device_kind({"cpu": kind}) if kind == "cuda" else contextlib.nullcontext()
     with forced, torch.no_grad():
         out = block_sparse_attention(q, k, v, mask, counts, causal=True)
-        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+        assert block_sparse_attention.op.explain_call(q, k, v, mask, counts).chosen == (
             f"forward_{kind}"
         )
     want = native_attention(q, k, v, mask, counts, causal=True)
@@ -260,7 +260,7 @@ def test_exact_precision_runs_native() -> None:
     mask, counts = random_mask(1, 2, 3, 3)
     with torch.no_grad(), config.override(precision="exact"):
         out = block_sparse_attention(q, k, v, mask, counts)
-        assert block_sparse_attention.explain_call(q, k, v, mask, counts).chosen == (
+        assert block_sparse_attention.op.explain_call(q, k, v, mask, counts).chosen == (
             "forward_native"
         )
     assert torch.equal(out, native_attention(q, k, v, mask, counts))
@@ -270,7 +270,7 @@ def test_gradients_take_the_native_path() -> None:
     q, k, v = qkv(2, 2, 300, 16, torch.float32)
     q.requires_grad_(True)
     mask, counts = random_mask(1, 2, 3, 3, density=1.0)
-    decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+    decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
     gathered = next(c for c in decision.candidates if c.path == "forward_cpu")
     assert "grad enabled" in gathered.reasons[0]
@@ -329,7 +329,7 @@ def test_npu_attention_fp32_runs_native(on_npu, package: str, ditops_warnings) -
     q, k, v = qkv(2, 2, 200, 32, torch.float32)
     mask, counts = random_mask(1, 2, 2, 2)
     with npu_package(package) as calls, torch.no_grad():
-        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
         out = block_sparse_attention(q, k, v, mask, counts)
     assert decision.chosen == "forward_native"
     assert "dtype float32 not supported" in decision.candidates[0].reasons
@@ -524,7 +524,7 @@ def test_npu_attention_ineligible_calls_run_native(
     blocks = -(-130 // block)
     mask, counts = random_mask(1, heads, blocks, blocks)
     with npu_package(package) as calls, torch.no_grad():
-        decision = block_sparse_attention.explain_call(
+        decision = block_sparse_attention.op.explain_call(
             q, k, v, mask, counts, layout="BNSD", scale=None, causal=False, block_size=block
         )
         out = block_sparse_attention(q, k, v, mask, counts, **kw)
@@ -564,7 +564,7 @@ def test_npu_estimate_matches_native(on_npu, package: str, layout: str, causal: 
         q, k = bsnd(q, k)
     kw = {**ESTIMATE_KW, "layout": layout, "causal": causal}
     with npu_package(package) as calls, torch.no_grad():
-        assert estimate_block_mask.explain_call(q, k, **kw).chosen == "forward_npu"
+        assert estimate_block_mask.op.explain_call(q, k, **kw).chosen == "forward_npu"
         mask, counts = estimate_block_mask(q, k, **kw)
     # The double computes in fp32 from the (exactly representable) bf16 inputs.
     want_mask, want_counts = estimate_block_mask_reference(q.float(), k.float(), **kw)
@@ -591,7 +591,7 @@ def test_npu_estimate_in_budget_holds_the_meanings_blocks(
           "keep_ratio": 0.6, "keep_sink": True, "keep_recent": True, "dense_blocks": dense,
           "causal": causal}  # fmt: skip
     with npu_package(package) as calls, torch.no_grad():
-        assert estimate_block_mask.explain_call(q, k, **kw).chosen == "forward_npu"
+        assert estimate_block_mask.op.explain_call(q, k, **kw).chosen == "forward_npu"
         mask, counts = estimate_block_mask(q, k, **kw)
     want, _ = estimate_block_mask_reference(q.float(), k.float(), **kw)
     assert torch.equal(counts, mask.sum(-1, dtype=torch.int32))
@@ -617,9 +617,9 @@ def test_npu_estimate_in_budget_threshold_with_a_first_frame_runs_native(
     q, k = integer_qk(4, 2, 1500)
     kw = {"threshold": 0.9, "keep_ratio": 0.4, "dense_blocks": 2}
     with npu_package(package) as calls, torch.no_grad():
-        decision = estimate_block_mask.explain_call(q, k, **kw)
+        decision = estimate_block_mask.op.explain_call(q, k, **kw)
         mask, counts = estimate_block_mask(q, k, **kw)
-        on_top = estimate_block_mask.explain_call(q, k, forced_blocks="on_top", **kw)
+        on_top = estimate_block_mask.op.explain_call(q, k, forced_blocks="on_top", **kw)
     assert decision.chosen == "forward_native" and on_top.chosen == "forward_npu"
     assert any("first frame" in r for c in decision.candidates for r in c.reasons)
     assert calls.calls == []
@@ -632,7 +632,7 @@ def test_npu_estimate_cross_attention_runs_native(on_npu, package: str) -> None:
     q, _ = integer_qk(2, 2, 512)
     _, k = integer_qk(2, 2, 256)
     with npu_package(package) as calls, torch.no_grad():
-        decision = estimate_block_mask.explain_call(q, k, layout="BNSD")
+        decision = estimate_block_mask.op.explain_call(q, k, layout="BNSD")
         mask, _ = estimate_block_mask(q, k)
     assert decision.chosen == "forward_native"
     assert "used for self-attention only" in decision.candidates[0].reasons[0]
@@ -668,11 +668,11 @@ def test_npu_estimate_ineligible_calls_run_native(
         # The op itself refuses it (a call is prepared before any path is explained); the
         # NPU path's own limit says the same.
         with pytest.raises(ValueError, match="must be a multiple of stride"):
-            estimate_block_mask.explain_call(q, k, **kw)
+            estimate_block_mask.op.explain_call(q, k, **kw)
         assert any(reason in r for r in block_size_reasons(kw["block_size"], kw["stride"]))
         return
     with npu_package(package) as calls, torch.no_grad():
-        decision = estimate_block_mask.explain_call(q, k, **kw)
+        decision = estimate_block_mask.op.explain_call(q, k, **kw)
         mask, counts = estimate_block_mask(q, k, **kw)
         want = estimate_block_mask_reference(q, k, **kw)
         assert torch.equal(mask, want[0]) and torch.equal(counts, want[1])
@@ -834,7 +834,7 @@ def test_empty_sequences_give_empty_or_zero_outputs() -> None:
     )
     with torch.no_grad():
         assert block_sparse_attention(q, k, v, mask, counts).shape == (1, 2, 0, 16)
-        decision = block_sparse_attention.explain_call(q, k, v, mask, counts)
+        decision = block_sparse_attention.op.explain_call(q, k, v, mask, counts)
         m, c = estimate_block_mask(q, k)
     assert decision.chosen == "forward_native"
     assert all(any("empty" in r for r in c.reasons) for c in decision.candidates)

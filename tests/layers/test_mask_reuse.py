@@ -47,8 +47,8 @@ def watch() -> Iterator[dict[str, list]]:
         seen["used"].append(args[3])
 
     handles = [
-        estimate_block_mask.register_forward_hook(estimated, with_kwargs=True),
-        block_sparse_attention.register_forward_pre_hook(used, with_kwargs=True),
+        estimate_block_mask.op.register_forward_hook(estimated, with_kwargs=True),
+        block_sparse_attention.op.register_forward_pre_hook(used, with_kwargs=True),
     ]
     try:
         yield seen

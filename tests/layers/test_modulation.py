@@ -107,7 +107,7 @@ def test_cpu_matches_wan_expressions(kind: str, mix: str, affine: bool, precisio
     check = assert_exact if precision == "exact" else lambda o, r: assert_fast(o, r, atol=ATOL)
     with torch.no_grad(), config.override(precision=precision):
         assert (
-            layer_norm_scale_shift.explain_call(h, w, b, scale, shift, EPS, None).chosen
+            layer_norm_scale_shift.op.explain_call(h, w, b, scale, shift, EPS, None).chosen
             == "forward_cpu"
         )
         check(layer_norm_scale_shift(h, w, b, scale, shift, EPS), wan_norm(norm, h, scale, shift))
@@ -124,7 +124,7 @@ def test_native_is_the_wan_expression(kind: str) -> None:
     norm = fp32_norm(True)
     gate, scale, shift = (MODULATIONS[kind](torch.float32) for _ in range(3))
     with torch.no_grad():
-        out, new_res = scale_residual_layer_norm_scale_shift.forward_native(
+        out, new_res = scale_residual_layer_norm_scale_shift.op.forward_native(
             h, attn, gate, norm.weight, norm.bias, scale, shift, EPS, None
         )
     ref_res = wan_residual(h, attn, gate)
@@ -344,7 +344,7 @@ def test_triton_path(on_cuda: None, kind: str, mod: torch.dtype) -> None:
     w, b = _params(norm)
     gate, scale, shift = (MODULATIONS[kind](mod) for _ in range(3))
     args = (h, attn, gate, w, b, scale, shift, EPS, None)
-    assert scale_residual_layer_norm_scale_shift.explain_call(*args).chosen == "forward_cuda"
+    assert scale_residual_layer_norm_scale_shift.op.explain_call(*args).chosen == "forward_cuda"
     out, new_res = scale_residual_layer_norm_scale_shift(*args[:-1])
     ref_res = wan_residual(h, attn, gate)
     assert_exact(new_res, ref_res)  # the kernel reproduces eager's roundings
@@ -368,7 +368,7 @@ def test_triton_path_without_modulation(on_cuda: None) -> None:
 
 def test_triton_declines_scalar_gate_on_low_precision(on_cuda: None) -> None:
     h, attn = torch.randn(B, L, C).bfloat16(), torch.randn(B, L, C).bfloat16()
-    decision = gated_residual.explain_call(h, attn, 0.5)
+    decision = gated_residual.op.explain_call(h, attn, 0.5)
     assert decision.chosen == "forward_native"
     assert "scalar gate" in decision.candidates[0].reasons[0]
     assert_exact(gated_residual(h, attn, 0.5), wan_residual(h, attn, 0.5))
@@ -411,7 +411,7 @@ def test_npu_path_folds_modulation_into_layernorm(
     setup = fake_attentions() if package == "legacy" else fake_sgl_kernel_npu()
     with setup as calls, caplog.at_level(logging.WARNING):
         assert (
-            layer_norm_scale_shift.explain_call(h, w, b, scale, shift, EPS, None).chosen
+            layer_norm_scale_shift.op.explain_call(h, w, b, scale, shift, EPS, None).chosen
             == "forward_npu"
         )
         out = layer_norm_scale_shift(h, w, b, scale, shift, EPS)
@@ -443,7 +443,7 @@ def test_npu_runs_native_where_it_cannot_fold(npu_no_grad: None) -> None:
     h = torch.randn(B, L, C).bfloat16()
     scale = _rnd(B, L, C)
     with fake_attentions() as calls:
-        decision = layer_norm_scale_shift.explain_call(h, None, None, scale, None, EPS, None)
+        decision = layer_norm_scale_shift.op.explain_call(h, None, None, scale, None, EPS, None)
         assert (
             decision.chosen == "forward_native" and "per-token" in decision.candidates[0].reasons[0]
         )

@@ -276,7 +276,7 @@ def test_fast_contract_rates(convention: str, across: bool, dtype: torch.dtype) 
     ang = torch.rand(L, D // 2, generator=g) * 6.3
     args = (q, k, wq, wk, ang.cos(), ang.sin(), EPS)
     kw = {"across_heads": across, "convention": convention}
-    want = qk_norm_rope.forward_native(
+    want = qk_norm_rope.op.forward_native(
         *args, across_heads=across, layout="interleaved", convention=convention
     )
     got = _fast(qk_norm_rope, *args, **kw)
@@ -308,7 +308,7 @@ def test_nan_and_inf_propagate(precision: str, across: bool) -> None:
     cos[5, 1] = float("nan")
     w = torch.rand(n).to(BF16)
     args = (q, k, w, w, cos, sin, EPS)
-    want = qk_norm_rope.forward_native(
+    want = qk_norm_rope.op.forward_native(
         *args, across_heads=across, layout="interleaved", convention="torch"
     )
     run = _exact if precision == "exact" else _fast
@@ -419,11 +419,11 @@ def test_bad_input_of_the_single_ops() -> None:
 def test_dispatch_choices() -> None:
     q, k, wq, wk, cos, sin = _qk()
     with torch.inference_mode():
-        assert qk_norm_rope.explain_call(q, k, wq, wk, cos, sin, EPS).chosen == "forward_cpu"
-        assert qk_norm_rope.explain_call(q.double(), k.double(), wq, wk, cos.double(),
+        assert qk_norm_rope.op.explain_call(q, k, wq, wk, cos, sin, EPS).chosen == "forward_cpu"
+        assert qk_norm_rope.op.explain_call(q.double(), k.double(), wq, wk, cos.double(),
                                          sin.double(), EPS).chosen == "forward_native"  # fmt: skip
     wg = wq.clone().requires_grad_()
-    decision = qk_norm_rope.explain_call(q, k, wg, wk, cos, sin, EPS)
+    decision = qk_norm_rope.op.explain_call(q, k, wg, wk, cos, sin, EPS)
     assert decision.chosen == "forward_native"
     assert "grad" in decision.candidates[0].reasons[0]
     out = qk_norm_rope(q, k, wg, wk, cos, sin, EPS)
@@ -435,12 +435,12 @@ def test_unknown_torch_arithmetic_runs_the_meaning(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(qkmod, "torch_rms_norm_is_known", lambda: False)
     q, k, wq, wk, cos, sin = _qk()
     with torch.inference_mode():
-        d = qk_norm_rope.explain_call(q, k, wq, wk, cos, sin, EPS)
+        d = qk_norm_rope.op.explain_call(q, k, wq, wk, cos, sin, EPS)
         assert d.chosen == "forward_native"
         assert "rounds differently" in d.candidates[0].reasons[0]
-        assert rms_norm.explain_call(q, wq).chosen == "forward_native"
+        assert rms_norm.op.explain_call(q, wq).chosen == "forward_native"
         # the diffusers convention does not depend on torch's RMSNorm
-        assert rms_norm.explain_call(q, wq, EPS, "diffusers").chosen == "forward_cpu"
+        assert rms_norm.op.explain_call(q, wq, EPS, "diffusers").chosen == "forward_cpu"
 
 
 def test_fp64_and_other_devices_explained() -> None:
@@ -519,11 +519,11 @@ def test_triton_path_through_the_dispatcher(on_cuda: None, across: bool, convent
     n = q.shape[2] * q.shape[3] if across else q.shape[3]
     wq, wk = torch.rand(n).bfloat16() + 0.5, torch.rand(n).bfloat16() + 0.5
     args = (q, k, wq, wk, cos, sin, EPS)
-    assert qk_norm_rope.explain_call(*args, across_heads=across, convention=convention).chosen == (
-        "forward_cuda"
-    )
+    assert qk_norm_rope.op.explain_call(
+        *args, across_heads=across, convention=convention
+    ).chosen == ("forward_cuda")
     got = qk_norm_rope(*args, across_heads=across, convention=convention)
-    want = qk_norm_rope.forward_native(
+    want = qk_norm_rope.op.forward_native(
         *args, across_heads=across, layout="interleaved", convention=convention
     )
     for g_, w_ in zip(got, want):
@@ -533,11 +533,11 @@ def test_triton_path_through_the_dispatcher(on_cuda: None, across: bool, convent
 def test_triton_declines_low_precision_rotation(on_cuda: None) -> None:
     q, k, wq, wk, cos, sin = _qk()
     q, k = q.bfloat16(), k.bfloat16()
-    d = qk_norm_rope.explain_call(q, k, wq, wk, cos.bfloat16(), sin.bfloat16(), EPS)
+    d = qk_norm_rope.op.explain_call(q, k, wq, wk, cos.bfloat16(), sin.bfloat16(), EPS)
     assert d.chosen == "forward_native"
     assert "computed in bfloat16" in " ".join(d.candidates[0].reasons)
     # the same tables in fp32 take the kernel
-    assert qk_norm_rope.explain_call(q, k, wq, wk, cos, sin, EPS).chosen == "forward_cuda"
+    assert qk_norm_rope.op.explain_call(q, k, wq, wk, cos, sin, EPS).chosen == "forward_cuda"
 
 
 # --- the NPU paths, through the torch_npu double ---------------------------------------------
@@ -570,10 +570,10 @@ def test_npu_rms_norm_against_the_meaning(
     x = (torch.randn(3, 7, 200) * 3).to(x_dtype)
     w = None if wd is None else (torch.rand(200) + 0.5).to(wd)
     with fake_torch_npu_prologue() as calls:
-        assert rms_norm.explain_call(x, w, EPS, convention).chosen == "forward_npu"
+        assert rms_norm.op.explain_call(x, w, EPS, convention).chosen == "forward_npu"
         got = rms_norm(x, w, EPS, convention)
     assert calls == ["npu_rms_norm"]
-    want = rms_norm.forward_native(x, w, EPS, convention)
+    want = rms_norm.op.forward_native(x, w, EPS, convention)
     if want.dtype == FP32:
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
     else:
@@ -591,10 +591,10 @@ def test_npu_rotary_embedding_against_the_meaning(
     x = (torch.randn(B, L, H, D) * 2).to(x_dtype)
     cos, sin = _npu_tables(L, D, D // 2 if per_pair else D)
     with fake_torch_npu_prologue() as calls:
-        assert rotary_embedding.explain_call(x, cos, sin, layout).chosen == "forward_npu"
+        assert rotary_embedding.op.explain_call(x, cos, sin, layout).chosen == "forward_npu"
         got = rotary_embedding(x, cos, sin, layout)
     assert calls == ["npu_rotary_mul"]
-    want = rotary_embedding.forward_native(x, cos, sin, layout)
+    want = rotary_embedding.op.forward_native(x, cos, sin, layout)
     if x_dtype == FP32:
         mag = pair_magnitude(want, layout)
         assert bool(((got - want).abs() <= 1e-5 * mag).all())
@@ -608,7 +608,7 @@ def test_npu_rotary_halves_with_per_batch_tables(npu_fast: None) -> None:
     with fake_torch_npu_prologue() as calls:
         got = rotary_embedding(x, cos, sin, "halves")
     assert calls == ["npu_rotary_mul"]
-    assert_fast_pairs(got, rotary_embedding.forward_native(x, cos, sin, "halves"), "halves", 1)
+    assert_fast_pairs(got, rotary_embedding.op.forward_native(x, cos, sin, "halves"), "halves", 1)
 
 
 @pytest.mark.parametrize("across", [False, True])
@@ -625,10 +625,10 @@ def test_npu_qk_norm_rope_against_the_meaning(
     args = (q, k, wq, wk, cos, sin, EPS)
     kw = {"across_heads": across, "layout": layout, "convention": convention}
     with fake_torch_npu_prologue() as calls:
-        assert qk_norm_rope.explain_call(*args, **kw).chosen == "forward_npu"
+        assert qk_norm_rope.op.explain_call(*args, **kw).chosen == "forward_npu"
         got = qk_norm_rope(*args, **kw)
     assert calls == ["npu_rms_norm", "npu_rotary_mul"] * 2
-    want = qk_norm_rope.forward_native(
+    want = qk_norm_rope.op.forward_native(
         *args, across_heads=across, layout=layout, convention=convention
     )
     for g_, w_ in zip(got, want):
@@ -666,7 +666,7 @@ def test_npu_ineligible_calls_run_the_meaning_with_a_reason(
     npu_fast: None, case: int, ditops_warnings: Any
 ) -> None:
     name, build, words = _ineligible()[case]
-    op = {"rotary_embedding": rotary_embedding, "rms_norm": rms_norm}[name]
+    op = {"rotary_embedding": rotary_embedding, "rms_norm": rms_norm}[name].op
     args = build()
     with fake_torch_npu_prologue() as calls:
         decision = op.explain_call(*args)
@@ -682,13 +682,13 @@ def test_npu_qk_norm_rope_declines_low_precision_rotation(npu_fast: None) -> Non
     q, k = q.bfloat16(), k.bfloat16()
     args = (q, k, wq, wk, cos.bfloat16().clamp(-1, 1), sin.bfloat16().clamp(-1, 1), EPS)
     with fake_torch_npu_prologue() as calls:
-        d = qk_norm_rope.explain_call(*args)
+        d = qk_norm_rope.op.explain_call(*args)
         got = qk_norm_rope(*args)
     assert d.chosen == "forward_native" and calls == []
     assert "computed in bfloat16" in " ".join(d.candidates[0].reasons)
     for g_, w_ in zip(
         got,
-        qk_norm_rope.forward_native(
+        qk_norm_rope.op.forward_native(
             *args, across_heads=False, layout="interleaved", convention="torch"
         ),
     ):
@@ -699,11 +699,11 @@ def test_npu_exact_precision_runs_the_meaning(on_npu: None) -> None:
     x = torch.randn(4, 16).bfloat16()
     with fake_torch_npu_prologue() as calls, torch.inference_mode():
         with config.override(precision="exact"):
-            d = rms_norm.explain_call(x)
+            d = rms_norm.op.explain_call(x)
             got = rms_norm(x)
     assert d.chosen == "forward_native" and calls == []
     assert "does not promise precision='exact'" in d.candidates[0].reasons[0]
-    assert_exact(got, rms_norm.forward_native(x))
+    assert_exact(got, rms_norm.op.forward_native(x))
 
 
 def test_npu_without_torch_npu_or_its_functions(npu_fast: None) -> None:
@@ -717,12 +717,12 @@ def test_npu_without_torch_npu_or_its_functions(npu_fast: None) -> None:
 
 def _without_torch_npu_or_its_functions(args: tuple[Any, ...]) -> None:
     q = args[0]
-    missing = qk_norm_rope.explain_call(*args)  # on_npu: torch_npu is not installed
+    missing = qk_norm_rope.op.explain_call(*args)  # on_npu: torch_npu is not installed
     assert missing.chosen == "forward_native"
     assert missing.candidates[0].reasons[0].startswith("torch_npu is not installed")
     with fake_torch_npu_prologue({"npu_rotary_mul": None}) as calls:
-        assert rms_norm.explain_call(q).chosen == "forward_npu"
-        for op, op_args in ((rotary_embedding, args[:1] + args[4:6]), (qk_norm_rope, args)):
+        assert rms_norm.op.explain_call(q).chosen == "forward_npu"
+        for op, op_args in ((rotary_embedding.op, args[:1] + args[4:6]), (qk_norm_rope.op, args)):
             d = op.explain_call(*op_args)
             assert d.chosen == "forward_native"
             assert "has no torch_npu.npu_rotary_mul" in " ".join(d.candidates[0].reasons)
@@ -730,7 +730,7 @@ def _without_torch_npu_or_its_functions(args: tuple[Any, ...]) -> None:
     assert calls == []
     for g_, w_ in zip(
         got,
-        qk_norm_rope.forward_native(
+        qk_norm_rope.op.forward_native(
             *args, across_heads=False, layout="interleaved", convention="torch"
         ),
     ):
@@ -753,8 +753,8 @@ def test_npu_function_that_raises_is_given_up_once(npu_fast: None, ditops_warnin
     with lenient, fake_torch_npu_prologue({"npu_rotary_mul": broken}) as calls:
         got = rotary_embedding(x, cos, sin)
         again = rotary_embedding(x, cos, sin)
-        d = rotary_embedding.explain_call(x, cos, sin)
-    want = rotary_embedding.forward_native(x, cos, sin)
+        d = rotary_embedding.op.explain_call(x, cos, sin)
+    want = rotary_embedding.op.forward_native(x, cos, sin)
     assert_exact(got, want)
     assert_exact(again, want)
     assert calls == ["npu_rotary_mul"]  # not called again
@@ -775,7 +775,7 @@ def test_npu_nan_and_inf_propagate(npu_fast: None, across: bool) -> None:
     assert calls  # the NPU path ran
     for g_, w_ in zip(
         got,
-        qk_norm_rope.forward_native(
+        qk_norm_rope.op.forward_native(
             *args, across_heads=across, layout="interleaved", convention="torch"
         ),
     ):
@@ -783,5 +783,5 @@ def test_npu_nan_and_inf_propagate(npu_fast: None, across: bool) -> None:
         assert_fast_pairs(g_, w_, "interleaved", slack=5)
     cos[5, 1] = float("nan")  # a NaN table entry is outside [-1, 1]: the meaning runs
     with fake_torch_npu_prologue() as calls:
-        d = qk_norm_rope.explain_call(*args, across_heads=across)
+        d = qk_norm_rope.op.explain_call(*args, across_heads=across)
     assert "outside [-1, 1]" in d.candidates[0].reasons[0] and calls == []

@@ -9,8 +9,10 @@ import torch.nn.functional as F
 import ditops
 from ditops import config
 from ditops.custom_op import reset_state
-from ditops.ops.gelu import gelu_tanh_bias as op
+from ditops.ops.gelu import gelu_tanh_bias
 from tests.precision import assert_exact, assert_fast
+
+op = gelu_tanh_bias.op
 
 BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 DTYPES = [BF16, FP16, FP32]
@@ -58,7 +60,7 @@ def test_explain_says_cpu_runs_the_meaning_and_gpus_triton() -> None:
     x, b = inputs((3, 8), BF16)
     assert op.explain_call(x, b).chosen == "forward_native"
     assert "gelu_tanh_bias" in ditops.registered_ops()
-    assert ditops.gelu_tanh_bias is op
+    assert ditops.gelu_tanh_bias.op is op
 
 
 def test_grad_runs_the_meaning() -> None:

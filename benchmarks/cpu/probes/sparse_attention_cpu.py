@@ -205,7 +205,7 @@ def main() -> None:
         for kind, (m, c) in masks(q, k, keep, kinds).items():
             density = density_stats(m, q_len=seq, kv_len=seq, block_size=BLOCK, causal=causal)
             tag = f"{kind} keep={keep}"
-            ref = block_sparse_attention.forward_native(
+            ref = block_sparse_attention.op.forward_native(
                 q[:, :2], k[:, :2], v[:, :2], m[:, :2], c[:, :2], layout="BNSD", scale=scale,
                 causal=causal, block_size=BLOCK,
             )  # fmt: skip

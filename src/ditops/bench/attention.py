@@ -136,7 +136,7 @@ def quality(
         kept = (mass * mask).sum(dim=(-1, -2)) / (mass * oracle).sum(dim=(-1, -2))  # [B, H]
         out = block_sparse_attention(q, k, v, mask, counts)
         out_oracle = block_sparse_attention(q, k, v, oracle, counts)
-        native = block_sparse_attention.forward_native(
+        native = block_sparse_attention.op.forward_native(
             q, k, v, mask, counts, layout="BNSD", scale=None, causal=False, block_size=BLOCK
         )
     seq = q.shape[2]

@@ -70,7 +70,7 @@ def _case(
 
     def native() -> Any:
         with torch.inference_mode():
-            return qk_norm_rope.forward_native(
+            return qk_norm_rope.op.forward_native(
                 *args, across_heads=across, layout="interleaved", convention="torch"
             )
 
@@ -107,7 +107,7 @@ def _case(
 
 def _meaning(*args: Any) -> Any:
     *rest, across = args
-    return qk_norm_rope.forward_native(
+    return qk_norm_rope.op.forward_native(
         *rest, across_heads=across, layout="interleaved", convention="torch"
     )
 

@@ -109,8 +109,8 @@ class AttentionProbe:
             self.densities.append(float(args[3].float().mean()))
 
         # The ops are module instances: wrap their forward for this block only.
-        for op, add in ((ebm.estimate_block_mask, add_estimate),
-                        (bsa.block_sparse_attention, add_sparse)):  # fmt: skip
+        for op, add in ((ebm.estimate_block_mask.op, add_estimate),
+                        (bsa.block_sparse_attention.op, add_sparse)):  # fmt: skip
             op.forward = self._timed(type(op).forward.__get__(op), add)
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
         torch.nn.functional.scaled_dot_product_attention = self._timed(self._sdpa, add_dense)
@@ -121,7 +121,7 @@ class AttentionProbe:
         from ditops.ops import estimate_block_mask as ebm
 
         torch.nn.functional.scaled_dot_product_attention = self._sdpa
-        for op in (ebm.estimate_block_mask, bsa.block_sparse_attention):
+        for op in (ebm.estimate_block_mask.op, bsa.block_sparse_attention.op):
             del op.forward
         for h in self._handles:
             h.remove()

@@ -23,12 +23,14 @@ class FP32LayerNorm(OpLayer, nn.LayerNorm):
     module's; None follows ``DITOPS_PRECISION``.
     """
 
-    op = fp32_layer_norm
+    op = fp32_layer_norm.op
     layer_name = "FP32LayerNorm"
 
     def resolved_precision(self) -> str:
         """The precision in force for this module: its own, else the process setting."""
-        return fp32_layer_norm.resolved_precision() if self._precision is None else self._precision
+        return (
+            fp32_layer_norm.op.resolved_precision() if self._precision is None else self._precision
+        )
 
     @classmethod
     def from_module(cls, module: nn.LayerNorm) -> FP32LayerNorm:
@@ -46,6 +48,6 @@ class FP32LayerNorm(OpLayer, nn.LayerNorm):
         return new
 
     def _call(self, x: torch.Tensor):
-        return fp32_layer_norm.prepare(
+        return fp32_layer_norm.op.prepare(
             x, tuple(self.normalized_shape), self.weight, self.bias, self.eps
         )

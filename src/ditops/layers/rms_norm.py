@@ -24,7 +24,7 @@ class RMSNorm(OpLayer, nn.Module):
     overrides the process setting for this module.
     """
 
-    op = rms_norm
+    op = rms_norm.op
     layer_name = "RMSNorm"
 
     def __init__(
@@ -84,7 +84,7 @@ class RMSNorm(OpLayer, nn.Module):
         return new
 
     def _call(self, x: torch.Tensor) -> NormCall:
-        return rms_norm.prepare(x, self.weight, self.eps, self.convention)
+        return rms_norm.op.prepare(x, self.weight, self.eps, self.convention)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, convention={self.convention!r}"

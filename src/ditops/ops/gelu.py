@@ -27,6 +27,7 @@ from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, check_tensor
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 
 OP = "gelu_tanh_bias"
 
@@ -71,5 +72,25 @@ class GeluTanhBiasOp(CustomOp):
         return gelu_tanh_bias(c.x, c.bias)
 
 
-#: ``gelu_tanh_bias(x, bias=None)``
-gelu_tanh_bias = GeluTanhBiasOp()
+@public_op(GeluTanhBiasOp())
+def gelu_tanh_bias(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The tanh GELU of ``x + bias``: a biased Linear's activation in one pass (Wan, FLUX).
+
+    Meaning::
+
+        F.gelu((x + bias).to(x.dtype), approximate="tanh")   # bias None: F.gelu(x, ...)
+
+    Run the Linear without its bias (``F.linear(h, proj.weight)``), then this op with
+    ``proj.bias``: the add and the activation are one pass over the activations.
+
+    Shapes and dtypes:
+        x: any shape, a floating dtype (fp32, bf16, fp16).
+        bias: ``[C]`` with ``C = x.shape[-1]``, x's dtype or fp32, on x's device; None:
+            no bias.
+
+    Returns a tensor shaped and typed like ``x``.
+
+    Precision: ``exact`` runs the meaning; ``fast`` (Triton) is within 1 ulp of the output
+    dtype of it (tiny outputs of very negative inputs, where eager's ``1 + tanh`` cancels:
+    within ``|x + bias| * 2**-23`` absolute). NaN and inf propagate as in the meaning.
+    """

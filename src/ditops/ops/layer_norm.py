@@ -28,6 +28,7 @@ from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, check_eps
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 
 # aclnnLayerNorm, behind both NPU layer norms, takes 1 to 8 dims.
 NPU_MAX_DIMS = 8
@@ -59,8 +60,8 @@ class FP32LayerNormOp(CustomOp):
         weight: torch.Tensor | None = None,
         bias: torch.Tensor | None = None,
         eps: float = 1e-5,
-        op: str = "FP32LayerNorm",
     ) -> LayerNormCall:
+        op = "FP32LayerNorm"
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"{op}: expected a tensor, got {type(x).__name__}")
         if not x.is_floating_point():
@@ -104,5 +105,30 @@ class FP32LayerNormOp(CustomOp):
         return NPU_LAYER_NORM.layer_norm(c.x, c.shape, c.weight, c.bias, c.eps).to(c.x.dtype)
 
 
-#: ``fp32_layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5)``
-fp32_layer_norm = FP32LayerNormOp()
+@public_op(FP32LayerNormOp())
+def fp32_layer_norm(
+    x: torch.Tensor,
+    normalized_shape: tuple[int, ...],
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    eps: float = 1e-5,
+) -> torch.Tensor:
+    """A LayerNorm computed in fp32 and returned in x's dtype (diffusers' ``FP32LayerNorm``).
+
+    Meaning::
+
+        F.layer_norm(x.float(), normalized_shape, weight.float(), bias.float(), eps).to(x.dtype)
+
+    The module users put in models is :class:`ditops.FP32LayerNorm`.
+
+    Shapes and dtypes:
+        x: ``[..., *normalized_shape]``, fp32/bf16/fp16.
+        normalized_shape: the trailing dims normalised, a tuple of ints.
+        weight, bias: ``normalized_shape``-shaped, any float dtype (widened to fp32), or None.
+        eps: a positive float.
+
+    Returns x's shape and dtype.
+
+    Precision: ``exact`` is bitwise the meaning (CPU); ``fast`` is within 1 ulp of the
+    output dtype on at most 1e-3 of the elements. NaN and inf propagate as in the meaning.
+    """

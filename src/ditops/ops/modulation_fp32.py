@@ -62,6 +62,7 @@ from ditops.backends.triton import TRITON
 from ditops.core.checks import FLOATS, check_eps
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 from ditops.ops import modulation_args as args
 from ditops.ops.modulation_args import ModulationArg, ModulationCall
 
@@ -326,10 +327,104 @@ class ScaleResidualLayerNormScaleShiftOp(CustomOp):
         return _npu_norm(c, new_res).reshape(c.shape), new_res.reshape(c.shape)
 
 
-#: ``layer_norm_scale_shift(x, weight, bias, scale, shift, eps=1e-5, out_dtype=None)``
-layer_norm_scale_shift = LayerNormScaleShiftOp()
-#: ``gated_residual(residual, x, gate=1)``
-gated_residual = GatedResidualOp()
-#: ``scale_residual_layer_norm_scale_shift(residual, x, gate, weight, bias, scale, shift,
-#: eps=1e-5, out_dtype=None) -> (modulated, new_residual)``
-scale_residual_layer_norm_scale_shift = ScaleResidualLayerNormScaleShiftOp()
+@public_op(LayerNormScaleShiftOp())
+def layer_norm_scale_shift(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale: ModulationArg = None,
+    shift: ModulationArg = None,
+    eps: float = DEFAULT_EPS,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """Wan's modulated norm: a LayerNorm in fp32, scaled and shifted, rounded once.
+
+    Meaning::
+
+        y = F.layer_norm(x.float(), (C,), weight.float(), bias.float(), eps)
+        (y * (1 + scale) + shift).to(out_dtype or x.dtype)
+
+    ``scale`` or ``shift`` None leaves that step out; ``1 + scale`` is computed in scale's
+    dtype, as eager does.
+
+    Shapes and dtypes:
+        x: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        weight, bias: the norm's affine parameters, ``[C]`` (None: no affine).
+        scale, shift: a Python number, or a tensor ``[C]``, ``[B, 1, C]``, ``[B, L, C]``
+            (Wan2.2 TI2V) or ``[B, F, 1, C]`` (one per frame), fp32 or x's dtype.
+        eps: the LayerNorm's epsilon, a positive float.
+        out_dtype: the output dtype (None: x's).
+
+    Returns ``[B, L, C]`` (x's shape) in ``out_dtype``.
+
+    Precision: ``exact`` is bitwise the meaning (the CPU path; GPUs run the meaning);
+    ``fast`` differs on at most 1e-3 of the elements by at most 1 ulp of the output dtype
+    (1e-5 absolute where ``shift`` cancels the product). NaN and inf propagate as in the
+    meaning.
+    """
+
+
+@public_op(GatedResidualOp())
+def gated_residual(
+    residual: torch.Tensor, x: torch.Tensor, gate: ModulationArg = 1
+) -> torch.Tensor:
+    """Wan's gated residual, in fp32 and rounded once.
+
+    Meaning::
+
+        (residual.float() + x * gate).to(residual.dtype)
+
+    ``gate`` None or the number 1: ``residual.float() + x``.
+
+    Shapes and dtypes:
+        residual: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        x: residual's shape, residual's dtype or fp32 (Wan's feed-forward passes fp32).
+        gate: a Python number, or a tensor ``[C]``, ``[B, 1, C]``, ``[B, L, C]`` or
+            ``[B, F, 1, C]``, fp32 or residual's dtype.
+
+    Returns residual's shape and dtype.
+
+    Precision: every path is bitwise the meaning (``exact`` and ``fast``). NaN and inf
+    propagate as in the meaning.
+    """
+
+
+@public_op(ScaleResidualLayerNormScaleShiftOp())
+def scale_residual_layer_norm_scale_shift(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: ModulationArg = 1,
+    weight: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    scale: ModulationArg = None,
+    shift: ModulationArg = None,
+    eps: float = DEFAULT_EPS,
+    out_dtype: torch.dtype | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Wan's gated residual and the modulated norm of its result, in one pass.
+
+    Meaning::
+
+        new_residual = gated_residual(residual, x, gate)
+        modulated = layer_norm_scale_shift(new_residual, weight, bias, scale, shift,
+                                           eps, out_dtype)
+        return modulated, new_residual
+
+    The norm reads the new residual after its rounding to residual's dtype, as Wan does.
+
+    Shapes and dtypes:
+        residual: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        x: residual's shape, residual's dtype or fp32.
+        gate, scale, shift: a Python number, or a tensor ``[C]``, ``[B, 1, C]``,
+            ``[B, L, C]`` or ``[B, F, 1, C]``, fp32 or residual's dtype (gate None or 1:
+            no gating; scale/shift None: that step left out).
+        weight, bias: the norm's affine parameters, ``[C]`` (None: no affine).
+        eps: the LayerNorm's epsilon, a positive float.
+        out_dtype: the modulated output's dtype (None: residual's).
+
+    Returns ``(modulated, new_residual)``, both residual's shape.
+
+    Precision: the new residual is bitwise the meaning on every path; the modulated output
+    as :func:`layer_norm_scale_shift` (``exact`` bitwise, ``fast`` within 1 ulp on at most
+    1e-3 of the elements). NaN and inf propagate as in the meaning.
+    """

@@ -62,6 +62,7 @@ from ditops.backends.triton import TRITON
 from ditops.core.checks import FLOATS, check_eps, dtype_name
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 from ditops.ops import modulation_args as args
 from ditops.ops.modulation_args import ModulationArg, ModulationCall
 
@@ -268,10 +269,89 @@ class AdaLNResidualModulateOp(CustomOp):
         return out.reshape(c.shape), new_res.reshape(c.shape)
 
 
-#: ``adaln_modulate(x, scale=None, shift=None, eps=1e-6)``
-adaln_modulate = AdaLNModulateOp()
-#: ``adaln_residual(residual, x, gate=None)``
-adaln_residual = AdaLNResidualOp()
-#: ``adaln_residual_modulate(residual, x, gate=None, scale=None, shift=None, eps=1e-6)
-#: -> (modulated, new_residual)``
-adaln_residual_modulate = AdaLNResidualModulateOp()
+@public_op(AdaLNModulateOp())
+def adaln_modulate(
+    x: torch.Tensor,
+    scale: ModulationArg = None,
+    shift: ModulationArg = None,
+    eps: float = DEFAULT_EPS,
+) -> torch.Tensor:
+    """adaLN-Zero's modulated norm in the model dtype (FLUX, SD3, HunyuanVideo).
+
+    Meaning, every step rounded to the model dtype as eager rounds it::
+
+        F.layer_norm(x, (C,), None, None, eps) * (1 + scale) + shift
+
+    ``scale`` or ``shift`` None leaves that step out.
+
+    Shapes and dtypes:
+        x: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        scale, shift: a Python number, or a tensor ``[C]``, ``[B, 1, C]`` (FLUX),
+            ``[B, L, C]`` or ``[B, F, 1, C]``, fp32 or x's dtype (PyTorch's promotion kept).
+        eps: the LayerNorm's epsilon, a positive float.
+
+    Returns x's shape, in the promoted dtype of the expression (x's when all share it).
+
+    Precision: ``exact`` is bitwise the meaning (the CPU path; GPUs run the meaning);
+    ``fast`` computes in fp32 and rounds once: about a third of bf16 elements differ, each
+    by at most 1.5 ulps of ``|LN(x) * (1 + scale)|`` plus 1 ulp of the output. Fast paths
+    take one dtype throughout and tensor modulations; other calls run the meaning. NaN and
+    inf propagate as in the meaning.
+    """
+
+
+@public_op(AdaLNResidualOp())
+def adaln_residual(
+    residual: torch.Tensor, x: torch.Tensor, gate: ModulationArg = None
+) -> torch.Tensor:
+    """adaLN-Zero's gated residual in the model dtype.
+
+    Meaning::
+
+        residual + gate * x      # the product rounded to the dtype, then the sum
+
+    ``gate`` None: ``residual + x``.
+
+    Shapes and dtypes:
+        residual: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        x: residual's shape and dtype.
+        gate: a Python number, or a tensor ``[C]``, ``[B, 1, C]``, ``[B, L, C]`` or
+            ``[B, F, 1, C]``, fp32 or residual's dtype.
+
+    Returns residual's shape, in the expression's promoted dtype.
+
+    Precision: every path is bitwise the meaning (``exact`` and ``fast``). NaN and inf
+    propagate as in the meaning.
+    """
+
+
+@public_op(AdaLNResidualModulateOp())
+def adaln_residual_modulate(
+    residual: torch.Tensor,
+    x: torch.Tensor,
+    gate: ModulationArg = None,
+    scale: ModulationArg = None,
+    shift: ModulationArg = None,
+    eps: float = DEFAULT_EPS,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """adaLN-Zero's gated residual and the modulated norm of its result, in one walk
+    (FLUX's double-stream blocks between attention and the feed-forward).
+
+    Meaning::
+
+        new_residual = adaln_residual(residual, x, gate)
+        return adaln_modulate(new_residual, scale, shift, eps), new_residual
+
+    Shapes and dtypes:
+        residual: ``[B, L, C]`` or ``[L, C]``, fp32/bf16/fp16.
+        x: residual's shape and dtype.
+        gate, scale, shift: a Python number, or a tensor ``[C]``, ``[B, 1, C]``,
+            ``[B, L, C]`` or ``[B, F, 1, C]``, fp32 or residual's dtype (None: that step
+            left out).
+        eps: the LayerNorm's epsilon, a positive float.
+
+    Returns ``(modulated, new_residual)``, both residual's shape.
+
+    Precision: the new residual is bitwise the meaning on every path; the modulated output
+    as :func:`adaln_modulate`. NaN and inf propagate as in the meaning.
+    """

@@ -1,72 +1,29 @@
 """The attention prologue: RMSNorm of queries and keys, rotary embedding, and both fused.
 
 In every DiT attention block q and k are normalised, then rotated, before attention.
-Three ops, each with the literal eager code as its meaning (``forward_native``):
-
-``rms_norm(x, weight=None, eps=None, convention="torch")``
-    RMSNorm over the last dim. Two conventions, because the two RMSNorms diffusers
-    models use round in different places:
-
-    * ``"torch"``: ``torch.nn.RMSNorm`` / ``F.rms_norm`` (Wan's and FLUX's ``norm_q`` and
-      ``norm_k``). In torch 2.13: ``x32 = x.float()``; ``r = rsqrt(x32.pow(2).mean(-1) +
-      eps)`` in fp32; ``x32 * r``, times the weight in fp32 (a bf16/fp16 weight is widened
-      exactly); rounded **once** to x's dtype. The output has x's dtype whatever the
-      weight's. ``eps=None`` is fp32's machine epsilon. (Older torch releases rounded
-      before the weight; the fast paths check which arithmetic the running torch has,
-      :func:`torch_rms_norm_is_known`, and run the meaning when it is not this one.)
-    * ``"diffusers"``: ``diffusers.models.normalization.RMSNorm``, without its bias (what
-      diffusers' ``Attention(qk_norm="rms_norm")`` holds: HunyuanVideo, Lumina2): the
-      same fp32 ``x32 * r``, then without a weight rounded to x's dtype; with a bf16/fp16
-      weight rounded to the **weight's** dtype and multiplied by the weight in that
-      dtype (a second rounding; the output has the weight's dtype); with an fp32 weight
-      multiplied in fp32 and **not** rounded back (the output is fp32).
-
-``rotary_embedding(x, cos, sin, layout="interleaved")``
-    ``out = x * cos + rotate(x) * sin``, every product and the sum computed in
-    ``promote_types(x.dtype, cos.dtype)`` (fp32 for fp32 tables) and rounded once to x's
-    dtype. ``rotate`` maps a pair ``(x1, x2)`` to ``(-x2, x1)``; pairs are ``(x[2i],
-    x[2i+1])`` (``"interleaved"``) or ``(x[i], x[i + D/2])`` (``"halves"``). x is ``[B, L, H,
-    D]``; cos/sin are ``[L, Dt]`` or ``[Bt, L, 1, Dt]``, fp32 or x's dtype, with ``Dt = D``
-    (one entry per element) or ``D/2`` (one angle per pair). This is, bit for bit:
-
-    * diffusers' ``apply_rotary_emb(x, (cos, sin), use_real_unbind_dim=-1 or -2,
-      sequence_dim=1)`` (FLUX, CogVideoX; Stable Audio, CogView4, Cosmos) with fp32 tables
-      (it computes in fp32 whatever their dtype: pass ``cos.float()``);
-    * Wan's processor with ``rotary_emb = (freqs_cos, freqs_sin)``: pass
-      ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]`` (the entries it reads), in
-      whatever dtype they are (a bf16 Wan rotates in bf16, and so does the op).
-
-``qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=None, *, across_heads=False,
-layout="interleaved", convention="torch")``
-    ``rotary_embedding(rms_norm(q), ...)`` and the same for k, in one pass. The norm runs
-    per head (``[D]`` weights: FLUX) or across heads (``across_heads=True``, ``[H * D]``
-    weights: Wan, whose norm sees ``[B, L, H * D]`` before ``unflatten``). Outputs are
-    ``[B, L, H, D]`` in the normalised dtype. Wan:
-    ``qk_norm_rope(q.unflatten(2, (H, -1)), ..., norm_q.weight, norm_k.weight,
-    freqs_cos[..., 0::2], freqs_sin[..., 1::2], norm_q.eps, across_heads=True)``; FLUX's
-    single-stream block: ``qk_norm_rope(q.unflatten(-1, (-1, D)), ..., cos, sin, eps)``
-    (its double-stream blocks norm text and image tokens with different weights before
-    concatenating: one call per part, on its slice of the tables).
+Three ops, each with the literal eager code as its meaning (``forward_native``); each
+public function's docstring states it with its shapes: :func:`rms_norm` (torch's or
+diffusers' rounding, ``convention=``), :func:`rotary_embedding` (pairs interleaved or in
+halves) and :func:`qk_norm_rope` (both for q and k, the norm per head or across heads).
+The ``"torch"`` convention is torch 2.13's ``F.rms_norm`` arithmetic (one rounding, after
+the weight); older releases rounded before the weight, so the fast paths check which one
+the running torch has (:func:`torch_rms_norm_is_known`) and otherwise run the meaning.
+FLUX's double-stream blocks norm text and image tokens with different weights before
+concatenating: one call per part, on its slice of the tables.
 
 Precision (the README's contract; ``tests/precision.py`` holds the paths to it):
 
 * ``exact``: bitwise equal to ``forward_native`` (the CPU path; GPUs run native).
-* ``rms_norm`` fast: eager's roundings with another fp32 summation order: every
-  bf16/fp16 element within 1 ulp of native (2 for diffusers with a bf16/fp16 weight,
-  which rounds before and after it), at most 1e-3 of them off at all (measured 4e-6 to
-  1e-4). fp32 outputs are exact on CPU, within rtol 1e-5 on Triton.
-* ``rotary_embedding``: bitwise equal to eager on the CPU and Triton paths in both modes.
-* ``qk_norm_rope`` fast: computed in fp32 and **rounded once**, where eager rounds the
-  normalised value first (and, diffusers with a bf16/fp16 weight, once more before the
-  weight), so about a third of the elements (40% with that weight) differ from native
-  by a rounding. The bound is taken at the magnitude of each element's rotated pair,
-  ``hypot(out1, out2)``: a rotation near an axis makes one member tiny, where eager's
-  earlier rounding of the pair's inputs shows as many ulps of that member but never as
-  more than an ulp of the pair. Every bf16/fp16 element is within 2 such ulps of
-  native and at most 1e-3 of them beyond 1 (measured: torch convention never beyond 1;
-  diffusers with a bf16/fp16 weight 1e-4 to 3.5e-4 beyond 1, none beyond 2), for
-  tables of rotations (``cos^2 + sin^2 = 1``, as rope tables are). fp32 outputs are
-  exact on CPU; on Triton within 1e-5 of the pair's magnitude. With bf16/fp16 tables
+* ``rms_norm`` fast: measured 4e-6 to 1e-4 of the elements off; fp32 outputs are exact
+  on CPU, within rtol 1e-5 on Triton.
+* ``qk_norm_rope`` fast: about a third of the elements (40% with a diffusers bf16/fp16
+  weight) differ from native by a rounding. The bound is taken at the magnitude of each
+  element's rotated pair, ``hypot(out1, out2)``: a rotation near an axis makes one member
+  tiny, where eager's earlier rounding of the pair's inputs shows as many ulps of that
+  member but never as more than an ulp of the pair (measured: torch convention never
+  beyond 1; diffusers with a bf16/fp16 weight 1e-4 to 3.5e-4 beyond 1, none beyond 2),
+  for tables of rotations (``cos^2 + sin^2 = 1``). fp32 outputs are exact on CPU; on
+  Triton within 1e-5 of the pair's magnitude. With bf16/fp16 tables
   that make eager rotate in bf16/fp16 (a Wan cast with ``.to(bf16)``) the CPU path runs
   eager's steps (exact) and Triton declines (native).
 
@@ -85,7 +42,7 @@ once, as the meaning does (bf16/fp16 outputs within 1 ulp of the pair's magnitud
 most 1e-3 of them off; fp32 within 1e-5 of it), and ``qk_norm_rope`` the two composed,
 rounding the normalised value where eager does (within the fused op's fast contract).
 Calls outside what torch_npu documents run the meaning with the reason in
-``explain_call`` (:func:`npu_norm_reasons`, :func:`npu_rotary_reasons`): a rotation the
+``explain_call`` (:mod:`ditops.kernels.npu.qk_norm_rope`): a rotation the
 meaning computes in bf16/fp16 (bf16/fp16 tables), head dims of 896 or more, 1000 or more
 batches or heads, per-batch tables in interleaved layout, tables outside ``[-1, 1]``,
 empty inputs. Otherwise native.
@@ -104,10 +61,10 @@ from ditops.backends.triton import TRITON
 from ditops.core.checks import FLOATS, check_choice, check_flag, check_tensor, dtype_name
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
+from ditops.core.public import public_op
 from ditops.kernels.npu import qk_norm_rope as npu_kernels
 from ditops.ops import qk_norm_rope_args as args
 from ditops.ops.qk_norm_rope_args import NormCall, QKCall, RopeCall
-from ditops.tracing import traced
 
 #: Widest norm row (elements) the Triton kernels hold in registers.
 TRITON_MAX_ROW = 16384
@@ -115,10 +72,6 @@ TRITON_MAX_ROW = 16384
 NPU_RMS_NORM = torch_npu_op("npu_rms_norm")
 NPU_ROTARY_MUL = torch_npu_op("npu_rotary_mul")
 NPU_PROLOGUE = torch_npu_op("npu_rms_norm", "npu_rotary_mul")
-#: ``npu_rotary_mul``: head dims below this (and even).
-NPU_MAX_HEAD_DIM = 896
-#: ``'half'``: batch and heads each below this; ``'interleave'``: their product.
-NPU_MAX_BATCH_HEADS = 1000
 
 
 # --- the meanings -------------------------------------------------------------------------
@@ -179,62 +132,12 @@ def _triton_compute_reasons(compute: torch.dtype) -> list[str]:
     return []
 
 
-def npu_norm_reasons(x: torch.Tensor) -> list[str]:
-    """Why ``npu_rms_norm`` cannot take these activations."""
-    if x.numel() == 0:
-        return ["an empty input: torch_npu.npu_rms_norm takes no empty weight"]
-    return []
-
-
-def npu_rotary_reasons(
-    x: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, layout: str, compute: torch.dtype
-) -> list[str]:
-    """Why ``npu_rotary_mul`` cannot rotate ``x`` [B, L, H, D] (normalised, for the fused
-    op) with ``[Bt, L, Dt]`` tables as the meaning does (in ``compute``)."""
-    B, _, H, D = x.shape
-    reasons = []
-    if compute != torch.float32:
-        reasons.append(
-            f"the rotation is computed in {dtype_name(compute)} (tables in the activations' "
-            "low-precision dtype, rounding every product); torch_npu.npu_rotary_mul does not "
-            "document its internal precision and is called in fp32 only"
-        )
-    if D >= NPU_MAX_HEAD_DIM:
-        reasons.append(f"head dim {D}: torch_npu.npu_rotary_mul takes D < {NPU_MAX_HEAD_DIM}")
-    if layout == "halves" and (B >= NPU_MAX_BATCH_HEADS or H >= NPU_MAX_BATCH_HEADS):
-        reasons.append(
-            f"batch {B}, heads {H}: torch_npu.npu_rotary_mul ('half') takes each "
-            f"< {NPU_MAX_BATCH_HEADS}"
-        )
-    if layout == "interleaved" and B * H >= NPU_MAX_BATCH_HEADS:
-        reasons.append(
-            f"batch x heads = {B * H}: torch_npu.npu_rotary_mul ('interleave') takes "
-            f"< {NPU_MAX_BATCH_HEADS}"
-        )
-    if layout == "interleaved" and cos3.shape[0] != 1:
-        reasons.append(
-            "per-batch tables: torch_npu.npu_rotary_mul ('interleave') takes [1, L, 1, D] "
-            "tables only"
-        )
-    if x.numel() == 0:
-        reasons.append("an empty input: torch_npu.npu_rotary_mul takes positive dims only")
-    if not reasons and not traced() and not _unit_range(cos3, sin3):
-        reasons.append(
-            "cos/sin outside [-1, 1]: torch_npu.npu_rotary_mul documents tables within it"
-        )
-    return reasons
-
-
-def _unit_range(cos3: torch.Tensor, sin3: torch.Tensor) -> bool:
-    return bool(((cos3.abs() <= 1).all() & (sin3.abs() <= 1).all()).item())
-
-
 def _triton_norm_reasons(c: NormCall) -> list[str]:
     return _triton_row_reasons(c.x.shape[-1])
 
 
 def _npu_norm_call_reasons(c: NormCall) -> list[str]:
-    return npu_norm_reasons(c.x)
+    return npu_kernels.npu_norm_reasons(c.x)
 
 
 def _triton_rope_reasons(c: RopeCall) -> list[str]:
@@ -242,7 +145,7 @@ def _triton_rope_reasons(c: RopeCall) -> list[str]:
 
 
 def _npu_rope_reasons(c: RopeCall) -> list[str]:
-    return npu_rotary_reasons(c.x, c.cos3, c.sin3, c.layout, c.compute_dtype())
+    return npu_kernels.npu_rotary_reasons(c.x, c.cos3, c.sin3, c.layout, c.compute_dtype())
 
 
 def _triton_qk_reasons(c: QKCall) -> list[str]:
@@ -250,8 +153,8 @@ def _triton_qk_reasons(c: QKCall) -> list[str]:
 
 
 def _npu_qk_reasons(c: QKCall) -> list[str]:
-    rotary = npu_rotary_reasons(c.q, c.cos3, c.sin3, c.layout, c.compute_dtype())
-    return [*npu_norm_reasons(c.q), *rotary]
+    rotary = npu_kernels.npu_rotary_reasons(c.q, c.cos3, c.sin3, c.layout, c.compute_dtype())
+    return [*npu_kernels.npu_norm_reasons(c.q), *rotary]
 
 
 # --- the ops ----------------------------------------------------------------------------
@@ -430,10 +333,104 @@ class QKNormRopeOp(CustomOp):
         )  # fmt: skip
 
 
-#: ``rms_norm(x, weight=None, eps=None, convention="torch")``
-rms_norm = RMSNormOp()
-#: ``rotary_embedding(x, cos, sin, layout="interleaved")``
-rotary_embedding = RotaryEmbeddingOp()
-#: ``qk_norm_rope(q, k, q_weight, k_weight, cos, sin, eps=None, *, across_heads=False,
-#: layout="interleaved", convention="torch") -> (q_out, k_out)``
-qk_norm_rope = QKNormRopeOp()
+@public_op(RMSNormOp())
+def rms_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    eps: float | None = None,
+    convention: str = "torch",
+) -> torch.Tensor:
+    """RMSNorm over the last dim, in torch's or diffusers' arithmetic.
+
+    Meaning (``r = rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)``, in fp32):
+
+    - ``convention="torch"`` (``torch.nn.RMSNorm``, Wan's and FLUX's q/k norms):
+      ``(x.float() * r * weight.float()).to(x.dtype)``, rounded once.
+    - ``convention="diffusers"`` (diffusers' ``RMSNorm`` without bias: HunyuanVideo):
+      ``x.float() * r``; no weight: rounded to x's dtype; a bf16/fp16 weight: rounded to
+      the weight's dtype, then times the weight; an fp32 weight: times it, kept in fp32.
+
+    Shapes and dtypes:
+        x: ``[..., N]``, at least 1-D, fp32/bf16/fp16 (fp64 runs the meaning).
+        weight: ``[N]`` or None, any float dtype.
+        eps: a positive float; None: fp32's machine epsilon (torch) or 1e-6 (diffusers).
+        convention: ``"torch"`` or ``"diffusers"``.
+
+    Returns x's shape, in x's dtype (diffusers with a weight: the weight's dtype, as there).
+
+    Precision: ``exact`` is bitwise the meaning (CPU); ``fast`` keeps eager's roundings
+    with another fp32 summation order: within 1 ulp (2 for diffusers with a bf16/fp16
+    weight) on at most 1e-3 of the elements. NaN and inf propagate as in the meaning.
+    """
+
+
+@public_op(RotaryEmbeddingOp())
+def rotary_embedding(
+    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str = "interleaved"
+) -> torch.Tensor:
+    """The rotary position embedding: ``x * cos + rotate(x) * sin``.
+
+    Meaning: every product and the sum in ``promote_types(x.dtype, cos.dtype)``, rounded
+    once to x's dtype; ``rotate`` maps a pair ``(x1, x2)`` to ``(-x2, x1)``. This is bit for
+    bit diffusers' ``apply_rotary_emb(..., sequence_dim=1)`` with fp32 tables, and Wan's
+    processor given ``freqs_cos[..., 0::2]`` and ``freqs_sin[..., 1::2]``.
+
+    Shapes and dtypes:
+        x: ``[B, L, H, D]``, fp32/bf16/fp16, D even.
+        cos, sin: ``[L, Dt]`` or ``[Bt, L, 1, Dt]`` with ``Dt = D`` (an entry per element)
+            or ``D / 2`` (one angle per pair), fp32 or x's dtype.
+        layout: how pairs are formed: ``"interleaved"`` ``(x[2i], x[2i+1])`` (Wan, FLUX:
+            ``use_real_unbind_dim=-1``) or ``"halves"`` ``(x[i], x[i + D/2])`` (``-2``).
+
+    Returns x's shape and dtype.
+
+    Precision: the CPU and Triton paths are bitwise the meaning; the NPU path is ``fast``
+    (within 1 ulp of each rotated pair's magnitude). NaN carries to both members of a pair.
+    """
+
+
+@public_op(QKNormRopeOp())
+def qk_norm_rope(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    eps: float | None = None,
+    *,
+    across_heads: bool = False,
+    layout: str = "interleaved",
+    convention: str = "torch",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The attention prologue: RMSNorm of q and k, then the rotary embedding, in one pass.
+
+    Meaning::
+
+        rotary_embedding(rms_norm(q, q_weight, eps, convention), cos, sin, layout)
+        # and the same for k, with k_weight
+
+    The norm runs per head (``[D]`` weights: FLUX) or across heads (``across_heads=True``,
+    ``[H * D]`` weights: Wan, whose norm sees ``[B, L, H * D]``). Wan::
+
+        qk_norm_rope(q.unflatten(2, (H, -1)), k.unflatten(2, (H, -1)), norm_q.weight,
+                     norm_k.weight, freqs_cos[..., 0::2], freqs_sin[..., 1::2],
+                     norm_q.eps, across_heads=True)
+
+    Shapes and dtypes:
+        q, k: ``[B, L, H, D]`` (k may have its own L and H), fp32/bf16/fp16.
+        q_weight, k_weight: ``[D]`` or, with ``across_heads``, ``[H * D]``; or None.
+        cos, sin: ``[L, Dt]`` or ``[Bt, L, 1, Dt]``, ``Dt = D`` or ``D / 2``, fp32 or q's
+            dtype (see :func:`rotary_embedding`).
+        eps: the norm's epsilon (None: as :func:`rms_norm`).
+        across_heads: normalise over all heads of a token (Wan) instead of per head.
+        layout: ``"interleaved"`` or ``"halves"`` (see :func:`rotary_embedding`).
+        convention: ``"torch"`` or ``"diffusers"`` (see :func:`rms_norm`).
+
+    Returns ``(q_out, k_out)``, ``[B, L, H, D]`` in the normalised dtype.
+
+    Precision: ``exact`` is bitwise the meaning (CPU; GPUs run the meaning); ``fast``
+    computes in fp32 and rounds once where eager rounds the normalised value first: every
+    bf16/fp16 element within 2 ulps of its rotated pair's magnitude, at most 1e-3 of them
+    beyond 1. NaN and inf propagate as in the meaning.
+    """

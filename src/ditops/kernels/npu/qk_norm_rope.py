@@ -38,8 +38,9 @@ What the two torch_npu functions are documented to do, and how the ops use them
     ``jit_compile=True``: ``'half'`` only, ``D == 128``; there a call outside that raises
     inside torch_npu, and the dispatcher gives the path up with one warning.)
 
-Calls outside these contracts run the meaning, each with its reason (the NPU paths'
-reasons in :mod:`ditops.ops.qk_norm_rope`): a rotation the meaning computes in bf16/fp16
+Calls outside these contracts run the meaning, each with its reason
+(:func:`npu_norm_reasons`, :func:`npu_rotary_reasons` below): a rotation the meaning
+computes in bf16/fp16
 (Wan cast to bf16 with ``.to(bf16)`` keeps bf16 tables; eager rounds every product),
 head dims of 896 or more, too many batches/heads, per-batch tables in interleaved
 layout, tables outside ``[-1, 1]`` (checked per call outside ``torch.compile``: one
@@ -61,6 +62,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+
+from ditops.tracing import traced
 
 Fn = Callable[..., Any]
 
@@ -151,3 +154,62 @@ def qk_norm_rope(
         return rotary(npu_rotary_mul, normed, cos, sin, layout)
 
     return one(q, q_weight), one(k, k_weight)
+
+
+# --- what the two functions are documented to take: the NPU paths' reasons ---------------
+
+#: ``npu_rotary_mul``: head dims below this (and even).
+NPU_MAX_HEAD_DIM = 896
+#: ``'half'``: batch and heads each below this; ``'interleave'``: their product.
+NPU_MAX_BATCH_HEADS = 1000
+
+
+def npu_norm_reasons(x: torch.Tensor) -> list[str]:
+    """Why ``npu_rms_norm`` cannot take these activations."""
+    if x.numel() == 0:
+        return ["an empty input: torch_npu.npu_rms_norm takes no empty weight"]
+    return []
+
+
+def npu_rotary_reasons(
+    x: torch.Tensor, cos3: torch.Tensor, sin3: torch.Tensor, layout: str, compute: torch.dtype
+) -> list[str]:
+    """Why ``npu_rotary_mul`` cannot rotate ``x`` [B, L, H, D] (normalised, for the fused
+    op) with ``[Bt, L, Dt]`` tables as the meaning does (in ``compute``)."""
+    B, _, H, D = x.shape
+    reasons = []
+    if compute != torch.float32:
+        reasons.append(
+            f"the rotation is computed in {str(compute).removeprefix('torch.')} (tables in "
+            "the activations' "
+            "low-precision dtype, rounding every product); torch_npu.npu_rotary_mul does not "
+            "document its internal precision and is called in fp32 only"
+        )
+    if D >= NPU_MAX_HEAD_DIM:
+        reasons.append(f"head dim {D}: torch_npu.npu_rotary_mul takes D < {NPU_MAX_HEAD_DIM}")
+    if layout == "halves" and (B >= NPU_MAX_BATCH_HEADS or H >= NPU_MAX_BATCH_HEADS):
+        reasons.append(
+            f"batch {B}, heads {H}: torch_npu.npu_rotary_mul ('half') takes each "
+            f"< {NPU_MAX_BATCH_HEADS}"
+        )
+    if layout == "interleaved" and B * H >= NPU_MAX_BATCH_HEADS:
+        reasons.append(
+            f"batch x heads = {B * H}: torch_npu.npu_rotary_mul ('interleave') takes "
+            f"< {NPU_MAX_BATCH_HEADS}"
+        )
+    if layout == "interleaved" and cos3.shape[0] != 1:
+        reasons.append(
+            "per-batch tables: torch_npu.npu_rotary_mul ('interleave') takes [1, L, 1, D] "
+            "tables only"
+        )
+    if x.numel() == 0:
+        reasons.append("an empty input: torch_npu.npu_rotary_mul takes positive dims only")
+    if not reasons and not traced() and not _unit_range(cos3, sin3):
+        reasons.append(
+            "cos/sin outside [-1, 1]: torch_npu.npu_rotary_mul documents tables within it"
+        )
+    return reasons
+
+
+def _unit_range(cos3: torch.Tensor, sin3: torch.Tensor) -> bool:
+    return bool(((cos3.abs() <= 1).all() & (sin3.abs() <= 1).all()).item())
