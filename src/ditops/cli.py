@@ -141,7 +141,7 @@ def _bench_suites(args: argparse.Namespace) -> int:
     from ditops.core import tune
 
     names = args.suites or ["wan"]
-    models = ("wan", "flux", "hunyuan_video")
+    models = ("wan", "flux", "hunyuan_video", "sglang")
     unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
@@ -180,6 +180,12 @@ def _bench_suites(args: argparse.Namespace) -> int:
             except ModelLoadError as exc:  # --model PATH that cannot be loaded
                 print(f"ditops bench: {exc}", file=sys.stderr)
                 return 2
+            continue
+        if name == "sglang":  # the bench Wan inside sglang's runtime (needs sglang)
+            from ditops.bench import sglang
+
+            dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+            payload[name] = sglang.cli(device, args.size, dtype)
             continue
         if name == "flux":  # a small FLUX model end to end (needs diffusers)
             from ditops.bench import flux

@@ -18,6 +18,10 @@
                        declared order (deterministic, explained by ``ditops info``).
 ``DITOPS_CACHE_DIR``   Where the tuning cache lives: default ``$XDG_CACHE_HOME/ditops``,
                        else ``~/.cache/ditops``.
+``DITOPS_SGLANG``      ``1`` activates ditops' platform plug-in inside sglang's diffusion
+                       runtime (:mod:`ditops.integrations.sglang`); read by sglang's
+                       platform discovery in each of its processes. Default ``0``: an
+                       installed ditops never changes sglang on its own.
 =====================  ===================================================================
 
 Why ``DITOPS_TUNE=on`` by default: ditops exists to be fast on the machine at hand, and
@@ -161,6 +165,16 @@ class Config:
     tune: str = "on"
     cache_dir: str = ""  # DITOPS_CACHE_DIR as given ("": the default place)
     version: int = 0
+
+
+def sglang_enabled(environ: dict[str, str] | None = None) -> bool:
+    """``DITOPS_SGLANG``: whether ditops' sglang platform plug-in is switched on.
+
+    Read afresh on each call (sglang asks once per process, when it picks its platform);
+    a value that is not a boolean raises :class:`ConfigError`.
+    """
+    env = os.environ if environ is None else environ
+    return parse_bool("DITOPS_SGLANG", env.get("DITOPS_SGLANG", "0"))
 
 
 def from_env(environ: dict[str, str] | None = None) -> Config:

@@ -117,6 +117,10 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     assert [r["kind"] for r in reuse] == ["dense (norms exact)", "estimate", "reuse"]
     assert [r["attention"]["estimates"] for r in reuse[1:]] == [2, 0]  # 2 layers
     assert summary["sparse 0.75 /2"]["vs_per_step"] is not None
+    # The permuted variant: the same density as sparse 0.75, its drift from it known.
+    perm = summary["sparse 0.75 perm"]
+    assert perm["realised_density"] == pytest.approx(summary["sparse 0.75"]["realised_density"])
+    assert perm["vs_per_step"] is not None
     # Where the time goes: estimate and attention inside the self-attention section.
     s5 = summary["sparse 0.5"]
     assert 0 < s5["estimate_s"] and 0 < s5["attention_s"]
