@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,7 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
+from ditops.bench.suite import glibc, run_in_other_malloc_state
 from ditops.core.checks import positive_seconds
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
@@ -217,8 +217,8 @@ def _bench_suites(args: argparse.Namespace) -> int:
             min_seconds=args.min_seconds,
         )
         rows.extend(ratios(list(results), malloc=malloc))
-        if malloc and suite.malloc_states and args.malloc == "both" and _glibc():
-            rows.extend(_bench_other_malloc_state(args, name, malloc))
+        if malloc and suite.malloc_states and args.malloc == "both" and glibc():
+            rows.extend(run_in_other_malloc_state(args, name, malloc))
     if rows:
         payload["rows"] = rows
         print_table(rows)
@@ -271,40 +271,6 @@ def _bench_parallel(args: argparse.Namespace) -> int:
     except (parallel.LaunchError, ModelLoadError) as exc:
         print(f"ditops bench: {exc}", file=sys.stderr)
         return 2
-
-
-def _glibc() -> bool:
-    import platform
-
-    return platform.libc_ver()[0] == "glibc"
-
-
-def _bench_other_malloc_state(
-    args: argparse.Namespace, name: str, current: str
-) -> list[dict[str, Any]]:
-    """Suite ``name`` run again by a child ``ditops bench`` in the other malloc state."""
-    from ditops.bench import harness
-
-    other = "grows" if current == "fixed" else "fixed"
-    print(
-        f"ditops bench: {name} again in a child process, malloc {other} "
-        f"({harness.MALLOC_STATES[other]})",
-        file=sys.stderr,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rows.json")
-        argv = [sys.executable, "-m", "ditops", "bench", name, "--size", args.size]
-        argv += ["--device", "cpu", "--min-seconds", str(args.min_seconds)]
-        argv += ["--malloc", "current", "--json", path]
-        if args.no_progress:
-            argv.append("--no-progress")
-        status = harness.run_child(argv, harness.malloc_env(other))
-        if status != 0:
-            print(f"ditops bench: the {other} run of {name} failed ({status})", file=sys.stderr)
-            return []
-        with open(path, encoding="utf-8") as f:
-            rows: list[dict[str, Any]] = json.load(f)["rows"]
-    return rows
 
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

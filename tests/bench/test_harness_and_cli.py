@@ -294,7 +294,7 @@ def test_bench_runs_malloc_suites_in_both_states(
     toy = suites.Suite("toy_alloc", "toy", _toy_cases, lambda size: 3, malloc_states=True)
     monkeypatch.setitem(suites.SUITES, "toy_alloc", __name__)  # this module's SUITE
     monkeypatch.setattr(sys.modules[__name__], "SUITE", toy, raising=False)
-    monkeypatch.setattr(cli, "_glibc", lambda: True)
+    monkeypatch.setattr(cli, "glibc", lambda: True)
     here = harness.malloc_state()
     other = "grows" if here == "fixed" else "fixed"
     children: list[list[str]] = []
