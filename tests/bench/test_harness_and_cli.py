@@ -117,6 +117,10 @@ def test_wan_suite_on_a_tiny_model(monkeypatch: pytest.MonkeyPatch, tmp_path) ->
     assert [r["kind"] for r in reuse] == ["dense (norms exact)", "estimate", "reuse"]
     assert [r["attention"]["estimates"] for r in reuse[1:]] == [2, 0]  # 2 layers
     assert summary["sparse 0.75 /2"]["vs_per_step"] is not None
+    # The permuted variant: the same density as sparse 0.75, its drift from it known.
+    perm = summary["sparse 0.75 perm"]
+    assert perm["realised_density"] == pytest.approx(summary["sparse 0.75"]["realised_density"])
+    assert perm["vs_per_step"] is not None
     # Where the time goes: estimate and attention inside the self-attention section.
     s5 = summary["sparse 0.5"]
     assert 0 < s5["estimate_s"] and 0 < s5["attention_s"]
@@ -345,3 +349,44 @@ def test_bad_bench_arguments_are_one_line_and_exit_2_before_any_benchmark(
     assert cli.main(["bench", "layer_norm", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1, err
+
+
+def test_bench_busy_prints_the_machine_load_and_tuned_choices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--busy`` runs the cases while another process spins (seen from inside a case),
+    and only then: it is gone after the run. The output opens with the machine
+    fingerprint and the load at start, and ends with the tuned choices."""
+    import subprocess as sp
+
+    from ditops.bench import load
+
+    spinners: list[sp.Popen] = []
+    real_popen = sp.Popen
+
+    def popen(*a, **kw):
+        proc = real_popen(*a, **kw)
+        spinners.append(proc)
+        return proc
+
+    monkeypatch.setattr(load.subprocess, "Popen", popen)
+    alive_in_case: list[bool] = []
+
+    def cases(device: torch.device, size: str) -> Iterator[Case]:
+        x = torch.randn(8, 8)
+        alive_in_case.append(bool(spinners) and spinners[0].poll() is None)
+        yield Case(suite="toy_busy", name="8x8", variants={"native": x.clone}, bytes_moved=1)
+
+    toy = suites.Suite("toy_busy", "toy", cases, lambda size: 1)
+    monkeypatch.setitem(suites.SUITES, "toy_busy", __name__)
+    monkeypatch.setattr(sys.modules[__name__], "SUITE", toy, raising=False)
+    out_json = tmp_path / "b.json"
+    argv = ["bench", "toy_busy", "--busy", "--min-seconds", "0", "--no-progress"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    assert alive_in_case == [True]
+    assert spinners[0].poll() is not None  # killed at the end
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "load average at start: " in out
+    assert "busy neighbour" in out and "tuned choices (DITOPS_TUNE=" in out
+    machine = json.loads(out_json.read_text())["machine"]
+    assert machine["busy_neighbour"] is True and "cpu_flags" in machine["fingerprint"]

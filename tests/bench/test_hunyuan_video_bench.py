@@ -31,7 +31,11 @@ def test_run_reports_every_variant_with_density_and_drift() -> None:
         **SMALL, **TINY,
     )  # fmt: skip
     rows = {s["variant"]: s for s in result["summary"]}
-    assert list(rows) == ["unpatched", "exact", "sparse 0.5", "sparse 0.75"]
+    assert list(rows) == ["unpatched", "exact", "sparse 0.5", "sparse 0.75", "sparse 0.75 perm"]
+    perm = rows["sparse 0.75 perm"]  # the permuted mode: the same density, its own drift
+    assert perm["requested_density"] == 0.25
+    assert perm["realised_density"] == pytest.approx(rows["sparse 0.75"]["realised_density"])
+    assert not perm["bitwise_equal"] and perm["cosine"] > 0.9
     assert rows["unpatched"]["speedup"] == 1.0 and rows["exact"]["bitwise_equal"]
     assert rows["exact"]["requested_density"] is None and rows["exact"]["realised_density"] is None
     sparse = rows["sparse 0.5"]

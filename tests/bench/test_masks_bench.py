@@ -90,3 +90,26 @@ def test_wan_model_cases_have_every_method_and_keep() -> None:
         assert 0 < s["mass_kept"] <= 1 + 1e-6
         assert 0 < s["mass_vs_row"] <= 1 + 1e-6 and 0 < s["mass_vs_head"] <= 1 + 1e-6
         assert s["err_vs_row_oracle"] > 0
+
+
+def test_scattered_cases_compare_both_orders_and_the_mass_target(tmp_path, capsys) -> None:
+    cases = masks.scattered_cases(
+        torch.device("cpu"), torch.float32, shape=(6, 8, 16), keeps=(0.3,), heads=4, dim=64,
+        block_size=64, samples=2,
+    )  # fmt: skip
+    results = list(run_cases(cases, torch.device("cpu"), n_steps=1, desc="masks",
+                             progress=False, min_seconds=0.0))  # fmt: skip
+    summ = masks.summary(ratios(results))
+    by = {(s["case"].split()[-1], s["method"]): s for s in summ}
+    plain, perm = by[("keep=0.3", "sampled")], by[("keep=0.3", "perm sampled")]
+    assert abs(plain["density"] - perm["density"]) < 1e-9  # the same density in both orders
+    assert perm["unpermuted_row_oracle_err"] == plain["row_oracle_err"]
+    assert perm["rel_err"] < plain["rel_err"]
+    for m in ("mass sampled", "mass sampled_head", "perm mass sampled", "perm mass sampled_head"):
+        s = by[("mass=0.95", m)]
+        assert 0 < s["density"] < 1 and 0 < s["fixed_density_same_mass"] <= 1
+        assert s["fixed_density_coverage"] >= s["mass_kept"] - 1e-9
+    masks.print_summary(summ)
+    assert "err/unp" in capsys.readouterr().out
+    masks.plot(summ, str(tmp_path / "m.png"))
+    assert (tmp_path / "m_scattered.png").stat().st_size > 1000

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ditops.attention.methods import DEFAULT_METHOD, DEFAULT_SAMPLES, check_method
-from ditops.attention.selection import FORCED_BLOCKS
+from ditops.attention.selection import FORCED_BLOCKS, BlockSelection
 
 
 def _check_int(name: str, value: object, low: int) -> None:
@@ -84,6 +84,31 @@ class BlockSparseConfig:
             device's estimate kernel cannot compute a method, the meaning (plain torch)
             runs there, with the reason in ``explain_call``.
         samples: query rows per block the sampled scores read (>= 1).
+        mass: a mass target instead of a density, in ``(0, 1]`` (``None``: use
+            ``sparsity``). Each sparse call keeps the fewest blocks whose estimated
+            softmax mass covers this share of each query block row's (per-row methods)
+            or of each head's on average over its rows (``*_head`` methods), the forced
+            blocks counted (:func:`ditops.attention.selection.select_by_mass`): every
+            head gets the density it needs, local heads few blocks, diffuse heads more.
+            The density that results is the mask's that runs
+            (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`).
+            Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
+            Needs ``threshold=1``, ``forced_blocks="in_budget"`` and a per-row or
+            per-head method (not ``"sampled_layer"``).
+        permute: the permuted mode (:mod:`ditops.attention.permute`, after Sparse
+            VideoGen 2): per call, batch entry and head, the queries and the keys are
+            clustered by k-means on their vectors (warm-started from the same layer and
+            guidance branch's previous step, so it needs the step index to reuse
+            anything), the tokens sorted so every cluster is contiguous, the mask
+            estimated and block-sparse attention run in that order with the same ops,
+            and the output put back in the original order. Related tokens scattered over
+            the video then share blocks, so a density keeps more of the attention. The
+            first ``dense_blocks`` blocks (first frame, text) stay in place and dense.
+            A flag rather than a method: it composes with every method, a density or a
+            mass target, and mask reuse (``estimate_every`` reuses the permutation with
+            the mask). Not with ``causal`` (sorting tokens breaks causal order).
+        clusters: k-means clusters of the queries and of the keys per head in the
+            permuted mode (>= 0; 0: one per block of the permuted tokens).
     """
 
     sparsity: float = 0.0
@@ -98,9 +123,18 @@ class BlockSparseConfig:
     estimate_every: int = 1
     method: str = DEFAULT_METHOD
     samples: int = DEFAULT_SAMPLES
+    mass: float | None = None
+    permute: bool = False
+    clusters: int = 0
 
     def __post_init__(self) -> None:
         sparsity = _check_float("sparsity", self.sparsity)
+        if self.mass is not None and sparsity != 0.0:
+            raise ValueError(
+                f"BlockSparseConfig: give sparsity (a density 1 - sparsity) or mass (a "
+                f"covered share of attention mass), not both (got sparsity={self.sparsity}, "
+                f"mass={self.mass!r})"
+            )
         if not 0.0 <= sparsity < 1.0:
             raise ValueError(
                 f"sparsity must be in [0, 1) (a density 1 - sparsity in (0, 1]), "
@@ -121,8 +155,14 @@ class BlockSparseConfig:
         threshold = _check_float("threshold", self.threshold)
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
-        for name in ("keep_sink", "keep_recent", "causal"):
+        for name in ("keep_sink", "keep_recent", "causal", "permute"):
             _check_bool(name, getattr(self, name))
+        _check_int("clusters", self.clusters, 0)
+        if self.permute and self.causal:
+            raise ValueError(
+                "permute=True sorts tokens by cluster, which breaks causal order: use "
+                "permute=False with causal=True"
+            )
         check_method(
             self.method,
             self.samples,
@@ -130,6 +170,12 @@ class BlockSparseConfig:
             threshold=threshold,
             where="BlockSparseConfig",
         )
+        if self.mass is not None:
+            sel = BlockSelection(
+                threshold=threshold, forced_blocks=self.forced_blocks, method=self.method,
+                samples=self.samples, mass=self.mass, where="BlockSparseConfig",
+            )  # fmt: skip
+            object.__setattr__(self, "mass", sel.mass)
 
     @property
     def keep_ratio(self) -> float:
@@ -141,7 +187,10 @@ class BlockSparseConfig:
 
         ``step`` may be ``None`` (unknown) only when ``skip_first_steps`` is 0.
         """
-        if self.sparsity == 0:
+        if self.mass is not None:
+            if self.mass >= 1.0:  # every block: dense attention is the same, cheaper
+                return True
+        elif self.sparsity == 0:
             return True
         if self.skip_first_steps == 0:
             return False

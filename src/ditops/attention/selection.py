@@ -53,7 +53,12 @@ class BlockSelection:
     candidate always kept; ``causal``: candidates up to the diagonal only;
     ``dense_blocks`` >= 0: leading block rows and columns forced on (the first video
     frame); ``method``/``samples``: how blocks are scored and the budget spent
-    (:data:`ditops.attention.methods.METHODS`). ``where``: the name errors start with.
+    (:data:`ditops.attention.methods.METHODS`). ``mass`` in (0, 1] (or ``None``): a
+    mass target instead of a density (:func:`select_by_mass`): each row (per-row
+    methods) or each head on average over its rows (per-head methods) keeps blocks until
+    that share of its estimated attention mass is covered, forced blocks counted; then
+    ``keep_ratio`` must stay 1, ``threshold`` 1, ``forced_blocks="in_budget"``, and the
+    method not ``"layer"``. ``where``: the name errors start with.
     """
 
     threshold: float = 1.0
@@ -65,6 +70,7 @@ class BlockSelection:
     forced_blocks: str = "in_budget"
     method: str = OP_DEFAULT_METHOD
     samples: int = DEFAULT_SAMPLES
+    mass: float | None = None
     where: str = field(default="estimate_block_mask", compare=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +92,8 @@ class BlockSelection:
             threshold=self.threshold,
             where=op,
         )
+        if self.mass is not None:
+            object.__setattr__(self, "mass", check_mass(self, op))
 
     @property
     def scoring(self) -> str:
@@ -103,6 +111,47 @@ class BlockSelection:
 
     def replace(self, **changes: Any) -> BlockSelection:
         return dataclasses.replace(self, **changes)
+
+
+def check_mass_value(mass: object, where: str) -> float:
+    """``mass`` as a float in (0, 1], or a TypeError/ValueError saying what is valid."""
+    if not _is_number(mass):
+        raise TypeError(f"{where}: mass must be a number in (0, 1], got {mass!r}")
+    value = float(mass)  # type: ignore[arg-type]
+    if not 0.0 < value <= 1.0:  # False for NaN too
+        raise ValueError(
+            f"{where}: mass must be in (0, 1] (the share of each row's attention mass the "
+            f"kept blocks cover; 1 keeps every block), got {mass!r}"
+        )
+    return value
+
+
+def check_mass(sel: BlockSelection, where: str) -> float:
+    """Validate a selection's mass target against its other settings (see
+    :class:`BlockSelection`)."""
+    mass = check_mass_value(sel.mass, where)
+    if sel.keep_ratio != 1.0:
+        raise ValueError(
+            f"{where}: give keep_ratio (a density) or mass (a covered share of attention "
+            f"mass), not both (got keep_ratio={sel.keep_ratio}, mass={mass})"
+        )
+    if sel.forced_blocks != "in_budget":
+        raise ValueError(
+            f"{where}: a mass target needs forced_blocks='in_budget' (forced blocks count "
+            f"towards the mass covered), got {sel.forced_blocks!r}"
+        )
+    if sel.threshold < 1.0:
+        raise ValueError(
+            f"{where}: a mass target replaces threshold < 1 (got threshold={sel.threshold}); "
+            "leave threshold at 1"
+        )
+    if sel.allocation == "layer":
+        per_head = [m for m, (_, a) in METHODS.items() if a != "layer"]
+        raise ValueError(
+            f"{where}: a mass target is per head (or per row); method {sel.method!r} spends "
+            f"one budget over a layer's heads: use one of {per_head}"
+        )
+    return mass
 
 
 def selection_of(sel: BlockSelection | None, fields: dict[str, Any]) -> BlockSelection:
@@ -124,14 +173,18 @@ class BlockBudget:
 
     ``candidates``: blocks of the map (the causal triangle's under ``causal``);
     ``forced``: of those, the forced ones; ``total``: the budget,
-    ``round(keep_ratio * candidates)``; ``per_row``: scored blocks each query block row
-    keeps (all 0 when ``forced >= total``).
+    ``round(keep_ratio * candidates)``. The scalars are closed forms of the block counts
+    (no loop over rows), so under torch.compile with dynamic shapes they stay symbolic
+    and one graph serves every resolution. What each query block row keeps beyond its
+    forced blocks: :meth:`row_shares` (a tensor, traceable) or :attr:`per_row` (host ints).
     """
 
+    q_blocks: int
+    kv_blocks: int
     candidates: int
     forced: int
     total: int
-    per_row: tuple[int, ...]
+    sel: BlockSelection = field(repr=False)
 
     @property
     def forced_only(self) -> bool:
@@ -148,48 +201,109 @@ class BlockBudget:
         """The smallest density reachable: the forced blocks' share of the map."""
         return self.forced / self.candidates if self.candidates else 0.0
 
+    def row_shares(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Int64 ``[Qb]``: scored blocks each query block row keeps (all 0 when
+        ``forced >= total``). What is left after the forced blocks is split in proportion
+        to the rows' scored candidates; the largest remainders get the blocks the floors
+        left over, earlier rows first on ties. Tensor ops only: traceable at any shape."""
+        left = self.total - self.forced
+        scorable = _scorable_per_row(self.q_blocks, self.kv_blocks, self.sel, device)
+        if left <= 0:
+            return torch.zeros_like(scorable)
+        pool = self.candidates - self.forced  # >= left, as total <= candidates
+        share = scorable * left
+        floors = share // pool
+        order = (share % pool).argsort(descending=True, stable=True)
+        ranks = torch.arange(self.q_blocks, device=order.device)
+        rank = torch.empty_like(order).scatter_(0, order, ranks)
+        return floors + (rank < left - floors.sum()).to(floors.dtype)
 
-def _row_layout(q_blocks: int, kv_blocks: int, sel: BlockSelection) -> list[tuple[int, int]]:
-    """Per query block row: (candidates, forced blocks), in plain ints (no tensor reads,
-    so this runs at trace time under torch.compile). Mirrors :func:`forced_block_mask`."""
-    rows = []
-    for r in range(q_blocks):
-        n = min(r + 1, kv_blocks) if sel.causal else kv_blocks
-        if r < sel.dense_blocks or (sel.causal and n <= 2):
-            rows.append((n, n))
-            continue
-        lo = min(sel.dense_blocks, n)  # columns 0 .. lo-1 are the first frame's
-        forced = lo
-        if sel.keep_sink and n > 0 and lo == 0:
-            forced, lo = 1, 1
-        if sel.keep_recent and n - 1 >= lo:
-            forced += 1
-        rows.append((n, forced))
-    return rows
+    @property
+    def per_row(self) -> tuple[int, ...]:
+        """:meth:`row_shares` computed in host ints, with no tensor (eager callers that
+        need Python numbers: the NPU kernel's ratio, tests). Needs int block counts."""
+        left = self.total - self.forced
+        if left <= 0:
+            return (0,) * self.q_blocks
+        pool = self.candidates - self.forced
+        first = _first_scored_row(self.kv_blocks, self.sel)
+        c = _forced_per_scored_row(self.sel)
+        shares = []
+        for r in range(self.q_blocks):
+            n = min(r + 1, self.kv_blocks) if self.sel.causal else self.kv_blocks
+            whole = r < first or (self.sel.causal and n <= 2)
+            shares.append(0 if whole else max(n - c, 0) * left)
+        per_row = [s // pool for s in shares]
+        order = sorted(range(self.q_blocks), key=lambda r: (-(shares[r] % pool), r))
+        for r in order[: left - sum(per_row)]:
+            per_row[r] += 1
+        return tuple(per_row)
+
+
+def _forced_per_scored_row(sel: BlockSelection) -> int:
+    """Forced blocks of a row that is not forced whole, when it has that many
+    candidates or more: the first frame's columns (the sink among them; else the sink
+    alone) and the recent block. A row with fewer candidates has all of them forced."""
+    return (sel.dense_blocks if sel.dense_blocks > 0 else int(sel.keep_sink)) + int(sel.keep_recent)
+
+
+def _first_scored_row(kv_blocks: int, sel: BlockSelection) -> int:
+    """Rows before it are forced whole: the first frame's, and under ``causal`` the
+    rows of at most two candidates (all of them when ``kv_blocks <= 2``)."""
+    if not sel.causal:
+        return sel.dense_blocks
+    return max(sel.dense_blocks, 2)
+
+
+def _scorable_per_row(
+    q_blocks: int, kv_blocks: int, sel: BlockSelection, device: torch.device | str | None
+) -> torch.Tensor:
+    """Int64 ``[Qb]``: candidates of each row that are not forced (mirrors
+    :func:`forced_block_mask`)."""
+    rows = torch.arange(q_blocks, device=device)
+    n = (rows + 1).clamp(max=kv_blocks) if sel.causal else torch.full_like(rows, kv_blocks)
+    scored = (n - _forced_per_scored_row(sel)).clamp(min=0)
+    whole = rows < _first_scored_row(kv_blocks, sel)
+    if sel.causal:
+        whole = whole | (n <= 2)
+    return scored.masked_fill(whole, 0)
+
+
+def _sum_scored(rows: int, kv_blocks: int, causal: bool, c: int) -> int:
+    """``sum(max(n_j - c, 0) for j in 1..rows)`` with ``n_j`` the candidates of row
+    ``j - 1`` (``kv_blocks``, or ``min(j, kv_blocks)`` under ``causal``), in closed form."""
+    over = torch.sym_max(kv_blocks - c, 0)
+    if not causal:
+        return rows * over
+    t = torch.sym_max(torch.sym_min(rows, kv_blocks) - c, 0)
+    return t * (t + 1) // 2 + torch.sym_max(rows - kv_blocks, 0) * over
 
 
 def block_budget(
     q_blocks: int, kv_blocks: int, sel: BlockSelection | None = None, **fields: Any
 ) -> BlockBudget:
     """Split ``sel.keep_ratio`` of the block map over its rows (see
-    :mod:`ditops.attention.estimate`). ``fields``: see :func:`selection_of`."""
+    :mod:`ditops.attention.estimate`). ``fields``: see :func:`selection_of`.
+
+    Closed forms of ``q_blocks``/``kv_blocks`` (ints, or SymInts under torch.compile with
+    dynamic shapes): no loop over the rows, no sort of symbolic keys."""
     sel = selection_of(sel, fields)
-    rows = _row_layout(q_blocks, kv_blocks, sel)
-    candidates = sum(n for n, _ in rows)
-    forced = sum(f for _, f in rows)
+    if sel.causal:
+        full = torch.sym_min(q_blocks, kv_blocks)
+        candidates = full * (full + 1) // 2 + torch.sym_max(q_blocks - kv_blocks, 0) * kv_blocks
+    else:
+        candidates = q_blocks * kv_blocks
+    if sel.causal and kv_blocks <= 2:
+        scorable = 0  # every row has at most two candidates: all forced
+    else:
+        c = _forced_per_scored_row(sel)
+        first = torch.sym_min(_first_scored_row(kv_blocks, sel), q_blocks)
+        scorable = _sum_scored(q_blocks, kv_blocks, sel.causal, c) - _sum_scored(
+            first, kv_blocks, sel.causal, c
+        )
+    forced = candidates - scorable
     total = math.floor(sel.keep_ratio * candidates + 0.5)
-    left = total - forced
-    if left <= 0:
-        return BlockBudget(candidates, forced, total, (0,) * q_blocks)
-    scorable = [n - f for n, f in rows]
-    pool = sum(scorable)  # >= left, as total <= candidates
-    per_row = [left * s // pool for s in scorable]
-    # Largest remainders get the blocks the floors left over (earlier rows first on ties).
-    spare = left - sum(per_row)
-    order = sorted(range(q_blocks), key=lambda r: (-((left * scorable[r]) % pool), r))
-    for r in order[:spare]:
-        per_row[r] += 1
-    return BlockBudget(candidates, forced, total, tuple(per_row))
+    return BlockBudget(q_blocks, kv_blocks, candidates, forced, total, sel)
 
 
 def candidate_blocks(
@@ -270,12 +384,14 @@ def mask_without_scores(
     or when the budget is every candidate and no threshold can drop one. q/k as BNSD.
     """
     sel = selection_of(sel, fields)
-    if not sel.in_budget:
+    if not sel.in_budget or (sel.mass is not None and sel.mass < 1.0):
         return None
     q_blocks = num_blocks(int(q.shape[2]), block_size)
     kv_blocks = num_blocks(int(k.shape[2]), block_size)
     budget = block_budget(q_blocks, kv_blocks, sel)
-    if budget.forced_only:
+    if sel.mass is not None:  # mass 1: every block (each holds some mass)
+        keep = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=q.device)
+    elif budget.forced_only:
         keep = _forced_only(budget, q_blocks, kv_blocks, sel, q.device)
     elif budget.total == budget.candidates and sel.threshold >= 1.0:
         keep = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=q.device)
@@ -297,6 +413,8 @@ def select_in_budget(
     (``"head"``, :func:`ditops.attention.methods.select_per_head`) or over all the heads
     at once (``"layer"``, :func:`ditops.attention.methods.select_per_layer`)."""
     sel = selection_of(sel, fields)
+    if sel.mass is not None:
+        return select_by_mass(scores, sel, allocation=allocation)
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
     budget = block_budget(q_blocks, kv_blocks, sel)
@@ -314,9 +432,61 @@ def select_in_budget(
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(kv_blocks, device=dev).expand_as(order)
     )
-    limit = torch.tensor(budget.per_row, dtype=torch.int64, device=dev)[:, None]
+    limit = budget.row_shares(dev)[:, None]
     if sel.threshold < 1.0:
         ranked = v.gather(-1, order).clamp(min=0.0)
         reached = ranked.cumsum(-1) < sel.threshold * ranked.sum(-1, keepdim=True)
         limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
     return (scored & (v >= 0) & (rank < limit)) | forced
+
+
+def select_by_mass(
+    scores: torch.Tensor,
+    sel: BlockSelection | None = None,
+    *,
+    allocation: str = "row",
+    **fields: Any,
+) -> torch.Tensor:
+    """Bool ``[..., Qb, KVb]``: the fewest blocks covering ``sel.mass`` of the estimated
+    mass, forced blocks included (and counted as covered).
+
+    ``allocation="row"``: every query block row keeps its forced blocks, then its scored
+    blocks in descending score (the lower key block first on ties) until the kept ones
+    hold ``mass`` of the row's total over its candidates. ``"head"``: each row's scores
+    normalised to its total, a head keeps the blocks adding the most of their row's mass
+    over its whole map until the mean over its rows (rows with some mass) reaches
+    ``mass``: diffuse rows get more blocks, sharp rows fewer. Either way the density is
+    whatever the scores need, per row or per head (what runs is the mask returned:
+    ``density_stats`` of it is the density). Sums in fp64, so the coverage computed from
+    the returned mask is never below ``mass`` by more than fp64 rounding. NaN scores
+    count as no mass and are never kept.
+    """
+    sel = selection_of(sel, fields)
+    assert sel.mass is not None
+    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
+    dev = scores.device
+    forced = forced_block_mask(q_blocks, kv_blocks, sel, device=dev)
+    cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
+    scored = cand & ~forced
+    nan = scores.isnan()
+    mass = (scores.double() * cand).masked_fill(nan | ~cand, 0.0).clamp(min=0.0)
+    total = mass.sum(-1, keepdim=True)
+    if allocation == "row":
+        gain, covered = mass, (mass * forced).sum(-1, keepdim=True)
+        target = sel.mass * total
+        flat = False
+    else:  # "head": shares of each row's mass, over the head's whole map
+        gain = mass / total.clamp(min=torch.finfo(torch.float64).tiny)
+        live = (total > 0).double()
+        covered = (gain * forced).sum((-2, -1)).reshape(*gain.shape[:-2], 1)
+        target = sel.mass * live.sum((-2, -1)).reshape(*gain.shape[:-2], 1)
+        flat = True
+    v = gain.masked_fill(~scored | nan, -1.0)  # unscored and NaN ranked last, never kept
+    if flat:
+        v = v.flatten(-2)
+    order = v.argsort(dim=-1, descending=True, stable=True)
+    ranked = v.gather(-1, order)
+    before = ranked.clamp(min=0.0).cumsum(-1) - ranked.clamp(min=0.0)  # mass kept before
+    keep_sorted = (covered + before < target) & (ranked >= 0)
+    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    return keep.view(scores.shape) | forced

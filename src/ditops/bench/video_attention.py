@@ -80,6 +80,14 @@ def _smooth_field(pos: torch.Tensor, gen: torch.Generator, extent: torch.Tensor)
     return (f - f.min()) / (f.max() - f.min() + 1e-9)
 
 
+def grid_positions(frames: int, height: int, width: int) -> torch.Tensor:
+    """fp32 ``[S, 3]``: (t, y, x) of each token, row-major as a patch embedding orders them."""
+    t, y, x = torch.meshgrid(
+        *(torch.arange(n, dtype=torch.float32) for n in (frames, height, width)), indexing="ij"
+    )
+    return torch.stack([t.flatten(), y.flatten(), x.flatten()], dim=-1)
+
+
 def video_attention(
     frames: int,
     height: int,
@@ -100,10 +108,7 @@ def video_attention(
     if dim <= SINK_DIMS or (dim - SINK_DIMS) % 2:
         raise ValueError(f"dim must be even and > {SINK_DIMS}, got {dim}")
     gen = torch.Generator().manual_seed(seed)
-    t, y, x = torch.meshgrid(
-        *(torch.arange(n, dtype=torch.float32) for n in (frames, height, width)), indexing="ij"
-    )
-    pos = torch.stack([t.flatten(), y.flatten(), x.flatten()], dim=-1)  # [S, 3]
+    pos = grid_positions(frames, height, width)  # [S, 3]
     seq, feats = int(pos.shape[0]), (dim - SINK_DIMS) // 2
     extent = torch.tensor([frames, height, width], dtype=torch.float32)
     frame_tokens = height * width
@@ -269,3 +274,77 @@ def mask_quality(
         row_oracle_err=relative_error(attend(row), dense),
         head_oracle_err=relative_error(attend(head), dense),
     )
+
+
+def scattered_attention(
+    frames: int,
+    height: int,
+    width: int,
+    *,
+    heads: int = 12,
+    dim: int = 128,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    objects: int = 12,
+    cells: int = 96,
+    noise: float = 0.15,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """BNSD ``q, k, v`` of video-like attention with **semantic, scattered** structure.
+
+    Per head, ``cells`` seed points are thrown at random over the ``frames x height x
+    width`` grid and each belongs to one of ``objects`` objects; a token belongs to the
+    object of its nearest seed (a Voronoi cell, anisotropic: cells stretch over a few
+    frames). So each object is a union of patches scattered over space and time, and
+    the keys a query needs (its own object's) sit in many tiles of the video order.
+    The logit between tokens ``i`` and ``j`` is, up to noise, ``A_obj * [same object]``
+    plus a local Gaussian-kernel term ``A_loc * kernel(p_i - p_j)`` (random Fourier
+    features, as :func:`video_attention`), plus token 0 as a global sink. Heads differ:
+    ``A_obj`` from 0 (a purely local head: every 4th head) to sharp, ``A_loc`` and the
+    local reach vary, so heads need different densities. Deterministic from ``seed``.
+    """
+    obj_dims = dim // 2
+    loc_feats = (dim - obj_dims - 2) // 2
+    if loc_feats < 2:
+        raise ValueError(f"dim too small for scattered_attention: {dim}")
+    gen = torch.Generator().manual_seed(seed)
+    pos = grid_positions(frames, height, width)  # [S, 3]
+    seq = int(pos.shape[0])
+    scale = dim**-0.5
+    # Cells stretch over time: distances in frames count a quarter.
+    metric = torch.tensor([4.0, 1.0, 1.0])
+    extent = torch.tensor([frames, height, width], dtype=torch.float32)
+    qs, ks = [], []
+    for h in range(heads):
+
+        def u(lo: float, hi: float) -> float:
+            return float(torch.empty(()).uniform_(lo, hi, generator=gen))
+
+        seeds = torch.rand(cells, 3, generator=gen) * extent
+        owner = torch.randint(0, objects, (cells,), generator=gen)
+        nearest = torch.cdist(pos * metric, seeds * metric).argmin(-1)
+        label = owner[nearest]  # [S]
+        a_obj = 0.0 if h % 4 == 3 else u(6.0, 12.0)
+        a_loc = u(3.0, 6.0) if h % 4 != 3 else u(10.0, 14.0)
+        reach = torch.tensor([u(0.5, 2.0), u(1.5, 4.0), u(1.5, 4.0)])
+        emb = F.normalize(torch.randn(objects, obj_dims, generator=gen), dim=-1)
+        obj = emb[label]  # [S, obj_dims]; same object: dot 1, others ~ 0
+        w = torch.randn(3, loc_feats, generator=gen) / reach[:, None]
+        phase = pos @ w
+        loc = torch.cat([phase.cos(), phase.sin()], dim=-1) / math.sqrt(loc_feats)
+        a_o, a_l = math.sqrt(a_obj / scale), math.sqrt(a_loc / scale)
+        qh = torch.cat([a_o * obj, a_l * loc], -1)
+        kh = torch.cat([a_o * obj, a_l * loc], -1)
+        qh = qh + noise * qh.norm(dim=-1, keepdim=True).mean() / math.sqrt(dim) * torch.randn(
+            qh.shape, generator=gen
+        )
+        kh = kh + noise * kh.norm(dim=-1, keepdim=True).mean() / math.sqrt(dim) * torch.randn(
+            kh.shape, generator=gen
+        )
+        sink_q = torch.full((seq, 2), math.sqrt(u(2.0, 6.0) / scale / 2))
+        sink_k = torch.zeros(seq, 2)
+        sink_k[0] = math.sqrt(1 / scale / 2) * 2**0.5
+        qs.append(torch.cat([qh, sink_q], -1))
+        ks.append(torch.cat([kh, sink_k], -1))
+    q, k = torch.stack(qs)[None], torch.stack(ks)[None]
+    v = torch.randn(q.shape, generator=gen)
+    return q.to(dtype), k.to(dtype), v.to(dtype)

@@ -13,7 +13,10 @@ pipeline, and each step's output is compared at equal inputs. Variants:
 * ``sparse 0.5`` / ``0.75`` / ``0.9``: norms plus block-sparse self-attention after
   ``skip_first_steps`` dense steps, at that sparsity (forced blocks included);
 * ``sparse 0.75 /2``: the same at 0.75, masks estimated every ``REUSE_EVERY`` sparse
-  steps and reused in between.
+  steps and reused in between;
+* ``sparse 0.75 perm``: the same at 0.75 in the permuted mode
+  (``BlockSparseConfig(permute=True)``: tokens clustered per head, clusters warm-started
+  from step to step), against ``sparse 0.75`` at the same density.
 
 Per variant and step: the time of one forward, the speedup over the unpatched model at
 that step, the time inside the estimate and inside the attention kernels of the
@@ -30,6 +33,7 @@ summary, report and plot in :mod:`ditops.bench.wan_report`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -82,12 +86,13 @@ def _drift(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
     return drift(out, ref)
 
 
-def _sparse(sparsity: float, estimate_every: int = 1) -> Any:
+def _sparse(sparsity: float, estimate_every: int = 1, permute: bool = False) -> Any:
     from ditops.attention.schedule import BlockSparseConfig
 
     return BlockSparseConfig(
-        sparsity=sparsity, skip_first_steps=SKIP_FIRST_STEPS, estimate_every=estimate_every
-    )
+        sparsity=sparsity, skip_first_steps=SKIP_FIRST_STEPS, estimate_every=estimate_every,
+        permute=permute,
+    )  # fmt: skip
 
 
 def _variants() -> list[tuple[str, dict[str, Any] | None]]:
@@ -96,7 +101,18 @@ def _variants() -> list[tuple[str, dict[str, Any] | None]]:
         f"sparse {REUSE_SPARSITY} /{REUSE_EVERY}",
         {"precision": "exact", "attention": _sparse(REUSE_SPARSITY, REUSE_EVERY)},
     )
-    return [("unpatched", None), ("norms exact", {"precision": "exact"}), *sparse, reuse]
+    permuted = (
+        f"sparse {REUSE_SPARSITY} perm",
+        {"precision": "exact", "attention": _sparse(REUSE_SPARSITY, permute=True)},
+    )
+    return [("unpatched", None), ("norms exact", {"precision": "exact"}), *sparse, reuse, permuted]
+
+
+def _keeps_state(options: dict[str, Any] | None) -> bool:
+    """Whether a variant's layers carry state across steps (reused masks, warm-started
+    clusters): it then gets models of its own rather than a model patched per call."""
+    cfg = _config_of(options)
+    return cfg is not None and (cfg.estimate_every > 1 or cfg.permute)
 
 
 def _config_of(options: dict[str, Any] | None) -> Any:
@@ -126,8 +142,10 @@ def run(
     progress: bool = True,
     plot_path: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
+    only: Sequence[str] | None = None,
 ) -> dict[str, Any]:
-    """Run the loop for every variant; returns rows and a summary (see module docstring)."""
+    """Run the loop for every variant (``only``: these besides ``unpatched`` and ``norms
+    exact``, in the suite's order); returns rows and a summary (see module docstring)."""
     import copy
     import dataclasses
 
@@ -145,6 +163,11 @@ def run(
     repeats = REPEATS if size == "small" else FULL_REPEATS
     timesteps = torch.linspace(999, 0, n_steps).round().to(device)
     variants = _variants()
+    if only is not None:
+        unknown = set(only) - {n for n, _ in variants}
+        if unknown:
+            raise ValueError(f"wan bench: no variants {sorted(unknown)}; see _variants()")
+        variants = variants[:2] + [(n, o) for n, o in variants[2:] if n in only]
     own: dict[str, list[Any]] = {}
     bar = Progress(len(variants) * n_steps, "wan", progress)
     outputs: dict[tuple[str, int], torch.Tensor] = {}
@@ -176,8 +199,7 @@ def run(
         # A variant that keeps masks across steps gets models of its own, one per repeat,
         # each living one pipeline run; the others share the model, patched for each call.
         for name, options in variants:
-            cfg_ = _config_of(options)
-            if cfg_ is not None and cfg_.estimate_every > 1:
+            if _keeps_state(options):
                 own[name] = []
                 for _ in range(repeats):
                     twin = copy.deepcopy(model)

@@ -46,6 +46,7 @@ from ditops.integrations.adaln_zero import AdaLNOps
 from ditops.integrations.base import WrappingProcessor
 from ditops.integrations.guard import Bypass
 from ditops.integrations.steps import StepState, runs_dense
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 class HunyuanOps(AdaLNOps):
@@ -160,6 +161,13 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
+        if self.sparse is not None and traced():
+            refuse_under_fullgraph(
+                "ditops: HunyuanVideo's sparse attention cannot compile with fullgraph=True: "
+                "it reads each sample's text mask on the host (which text keys are padded), "
+                "a graph break. Compile with fullgraph=False, or patch without attention= "
+                "for a fullgraph compile."
+            )
         dense = self._dense_now()
         ops = self._ops_now(attn)
         if (

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.base import AttrSet, PatchRecord, TorchHook
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 class _PerThread:
@@ -150,6 +151,14 @@ class LatentShapeRecorder:
         timestep = kwargs.get("timestep", args[1] if len(args) > 1 else None)
         # Count only calls that came without a step index (one host read of the timestep).
         if self.state.count_steps and self.state.step is None:
+            if traced():
+                refuse_under_fullgraph(
+                    f"ditops: {type(module).__name__} with sparse attention counts its "
+                    "denoising steps from the timestep when a call brings no step index (a "
+                    "host read, a graph break), so it cannot compile with fullgraph=True. "
+                    "Give the step (model.cache_context(name, step_index=i) around each "
+                    "call), or compile with fullgraph=False."
+                )
             if isinstance(timestep, torch.Tensor) and timestep.numel():
                 self.state.count(float(timestep.float().mean()))
             else:
@@ -188,6 +197,7 @@ def runs_dense(sparse: nn.Module | None, steps: StepState | None) -> bool:
     (never sparse by accident)."""
     if sparse is None or steps is None:
         return True
+    sparse.check_fullgraph()  # type: ignore[operator]  # refused on dense steps too
     cfg = sparse.config
     step = steps.current()
     if step is None and cfg.skip_first_steps > 0:

@@ -20,11 +20,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ditops.attention.block_mask import MaskDensity, density_stats
 from ditops.attention.layout import to_bnsd
+from ditops.attention.permute import TokenPermutation, choose_heads, cluster_permutation
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 def dense_attention(
@@ -59,6 +62,9 @@ class _CachedMask:
     counts: torch.Tensor
     estimated_at: int
     last_step: int
+    #: The permuted mode's token permutation the mask is in (its centroids warm-start
+    #: the next estimate); ``None`` in the original order.
+    perm: TokenPermutation | None = None
 
 
 class BlockSparseAttention(nn.Module):
@@ -98,6 +104,9 @@ class BlockSparseAttention(nn.Module):
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
         self.dense_blocks = dense_blocks
         self.step: int | None = None
+        self._last_run: tuple[torch.Tensor, int, int] | None = None
+        #: The permuted mode's last permutation (eager calls): tests and benches read it.
+        self._last_permutation: TokenPermutation | None = None
         # Per thread (its ident), per branch: see _thread_masks.
         self._masks: dict[int, OrderedDict[str | None, _CachedMask]] = {}
         if self.config.estimate_every > 1:
@@ -112,6 +121,28 @@ class BlockSparseAttention(nn.Module):
         self.dense_blocks = first_frame_dense_blocks(
             latent_shape, patch_size, self.config.block_size
         )
+
+    def last_density(self) -> MaskDensity | None:
+        """The density of the block mask the last eager sparse call ran
+        (:func:`ditops.attention.block_mask.density_stats` of that very mask: per head,
+        per row, overall); ``None`` when that call ran dense, or none ran yet. With a
+        mass target (``config.mass``) this is where the density that resulted is read.
+        Computed on demand (reads the mask: on an accelerator, waits for it); calls
+        inside ``torch.compile`` are not recorded."""
+        if self._last_run is None:
+            return None
+        mask, q_len, kv_len = self._last_run
+        cfg = self.config
+        return density_stats(
+            mask, q_len=q_len, kv_len=kv_len, block_size=cfg.block_size, causal=cfg.causal
+        )
+
+    def _remember_run(
+        self, mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor, layout: str
+    ) -> None:
+        if not traced():  # a module attribute written inside a trace would be a side effect
+            seq = 2 if layout == "BNSD" else 1
+            self._last_run = (mask, int(q.shape[seq]), int(k.shape[seq]))
 
     def clear_masks(self) -> None:
         """Forget the masks kept for reuse (the next sparse call of each branch estimates)."""
@@ -137,13 +168,21 @@ class BlockSparseAttention(nn.Module):
         mask is reused; ``dense_blocks`` overrides the layer's for this call (a
         caller serving several videos at once passes each its own)."""
         cfg = self.config
+        self.check_fullgraph()
         step = self.step if step is None else step
         if cfg.dense_at(step):
+            if not traced():
+                self._last_run = None
             return dense_attention(q, k, v, layout=layout, scale=scale, causal=cfg.causal)
         dense = self.dense_blocks if dense_blocks is None else dense_blocks
+        if cfg.permute:
+            return self._permuted(
+                q, k, v, layout=layout, scale=scale, step=step, branch=branch, dense_blocks=dense
+            )
         mask, counts = self._block_mask(
             q, k, layout=layout, scale=scale, step=step, branch=branch, dense_blocks=dense
         )
+        self._remember_run(mask, q, k, layout)
         return block_sparse_attention(
             q,
             k,
@@ -155,6 +194,75 @@ class BlockSparseAttention(nn.Module):
             causal=cfg.causal,
             block_size=cfg.block_size,
         )
+
+    def check_fullgraph(self) -> None:
+        """Under a ``torch.compile(..., fullgraph=True)`` trace, refuse mask reuse
+        (``estimate_every > 1``: its bookkeeping runs eagerly, a graph break) with an
+        error that says what to change. Callers that decide dense or sparse themselves
+        (the model integrations) call it on every step, so a dense step refuses too."""
+        if self.config.estimate_every > 1 and traced():
+            refuse_under_fullgraph(_reuse_breaks_the_graph(self.config.estimate_every))
+
+    def _permutation(
+        self,
+        qb: torch.Tensor,
+        kb: torch.Tensor,
+        dense_blocks: int,
+        previous: TokenPermutation | None,
+        scale: float | None,
+    ) -> TokenPermutation:
+        """Clusters warm-started from ``previous``; from a cold start, each head also
+        chooses between the clustered and the original order (:func:`choose_heads`)."""
+        cfg = self.config
+        perm = cluster_permutation(
+            qb, kb, fixed=dense_blocks * cfg.block_size, clusters=cfg.clusters or None,
+            block_size=cfg.block_size, previous=previous,
+        )  # fmt: skip
+        if previous is None:
+            keep = None if cfg.mass is not None else cfg.keep_ratio
+            perm = choose_heads(qb, kb, perm, block_size=cfg.block_size, keep=keep, scale=scale)
+        return perm
+
+    def _permuted(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *,
+        layout: str,
+        scale: float | None,
+        step: int | None,
+        branch: str | None,
+        dense_blocks: int,
+    ) -> torch.Tensor:
+        """The permuted mode (:mod:`ditops.attention.permute`): tokens clustered per head
+        and sorted by cluster, the mask estimated and block-sparse attention run in that
+        order, the output rows put back."""
+        check_layout("BlockSparseAttention", layout)
+        qb, kb, vb = to_bnsd(q, layout), to_bnsd(k, layout), to_bnsd(v, layout)
+        if step is None:  # no step: nothing to reuse, a cold start every call
+            perm = self._permutation(qb, kb, dense_blocks, None, scale)
+            qp, kp = perm.permute_q(qb), perm.permute_kv(kb)
+            mask, counts = self._estimate(
+                qp, kp, layout="BNSD", scale=scale, dense_blocks=dense_blocks
+            )
+        else:
+            kept_or_new = _eager_kept_or_new_mask()
+            entry = kept_or_new(
+                self, qb, kb, layout="BNSD", scale=scale, step=step, branch=branch,
+                dense_blocks=dense_blocks,
+            )  # fmt: skip
+            mask, counts, perm = entry.mask, entry.counts, entry.perm
+            assert perm is not None
+            qp, kp = perm.permute_q(qb), perm.permute_kv(kb)
+        self._remember_run(mask, q, k, layout)
+        if not traced():
+            self._last_permutation = perm
+        out = block_sparse_attention(
+            qp, kp, perm.permute_kv(vb), mask, counts, layout="BNSD", scale=scale,
+            causal=self.config.causal, block_size=self.config.block_size,
+        )  # fmt: skip
+        return from_bnsd(perm.unpermute(out), layout)
 
     def _estimate(
         self,
@@ -174,7 +282,8 @@ class BlockSparseAttention(nn.Module):
             stride=cfg.stride,
             scale=scale,
             threshold=cfg.threshold,
-            keep_ratio=cfg.keep_ratio,
+            keep_ratio=None if cfg.mass is not None else cfg.keep_ratio,
+            mass=cfg.mass,
             keep_sink=cfg.keep_sink,
             keep_recent=cfg.keep_recent,
             causal=cfg.causal,
@@ -199,7 +308,7 @@ class BlockSparseAttention(nn.Module):
         if self.config.estimate_every == 1 or step is None:
             return self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
         kept_or_new = _eager_kept_or_new_mask()
-        return kept_or_new(
+        entry = kept_or_new(
             self,
             q,
             k,
@@ -209,6 +318,7 @@ class BlockSparseAttention(nn.Module):
             branch=branch,
             dense_blocks=dense_blocks,
         )
+        return entry.mask, entry.counts
 
     def _kept_or_new_mask(
         self,
@@ -220,7 +330,7 @@ class BlockSparseAttention(nn.Module):
         step: int,
         branch: str | None,
         dense_blocks: int,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    ) -> _CachedMask:
         every = self.config.estimate_every
         key = (tuple(q.shape), tuple(k.shape), layout, scale, q.device, dense_blocks, self.config)
         masks = self._thread_masks()
@@ -232,13 +342,19 @@ class BlockSparseAttention(nn.Module):
         ):
             entry.last_step = step
             masks.move_to_end(branch)
-            return entry.mask, entry.counts
+            return entry
         masks.pop(branch, None)  # the old mask goes before the new one is made
+        perm = None
+        if self.config.permute:  # q, k are BNSD here; last step's centroids warm-start
+            warm = entry is not None and entry.key == key and entry.last_step < step
+            previous = entry.perm if warm and entry is not None else None
+            perm = self._permutation(q, k, dense_blocks, previous, scale)
+            q, k = perm.permute_q(q), perm.permute_kv(k)
         mask, counts = self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
-        masks[branch] = _CachedMask(key, mask, counts, step, step)
+        entry = masks[branch] = _CachedMask(key, mask, counts, step, step, perm)
         while len(masks) > MAX_MASK_BRANCHES:
             masks.popitem(last=False)
-        return mask, counts
+        return entry
 
     def _thread_masks(self) -> OrderedDict[str | None, _CachedMask]:
         """The calling thread's masks: threads sharing a model each run their own
@@ -257,6 +373,16 @@ class BlockSparseAttention(nn.Module):
 _EAGER_KEPT_OR_NEW: Any = None
 
 
+def _reuse_breaks_the_graph(every: int | None) -> str:
+    asked = "estimate_every > 1" if every is None else f"estimate_every={every}"
+    return (
+        f"ditops: sparse attention with mask reuse (BlockSparseConfig({asked})) "
+        "cannot compile with fullgraph=True: the masks kept between steps are Python state "
+        "that runs eagerly (a graph break around each estimate). Set estimate_every=1, or "
+        "compile with fullgraph=False."
+    )
+
+
 def _eager_kept_or_new_mask() -> Any:
     """``BlockSparseAttention._kept_or_new_mask`` under ``torch.compiler.disable``.
 
@@ -269,7 +395,9 @@ def _eager_kept_or_new_mask() -> Any:
     """
     global _EAGER_KEPT_OR_NEW
     if _EAGER_KEPT_OR_NEW is None:
-        _EAGER_KEPT_OR_NEW = torch.compiler.disable(BlockSparseAttention._kept_or_new_mask)
+        _EAGER_KEPT_OR_NEW = torch.compiler.disable(
+            BlockSparseAttention._kept_or_new_mask, reason=_reuse_breaks_the_graph(None)
+        )
     return _EAGER_KEPT_OR_NEW
 
 

@@ -102,6 +102,11 @@ def estimate_reasons(c: EstimateCall) -> list[str]:
             f"method {sel.method!r} scores sampled query rows; the NPU estimate computes "
             "antidiagonal scores only (the meaning runs: plain torch on this device)"
         ]
+    if sel.mass is not None:
+        return [
+            "a mass target (mass=...): the NPU kernel takes a density per row only (the "
+            "meaning runs: plain torch on this device)"
+        ]
     if sel.allocation != "row":
         return [
             f"method {sel.method!r} spends one budget per {sel.allocation}; the NPU kernel "

@@ -104,7 +104,7 @@ class EstimateBlockMask(CustomOp):
         stride: int = 8,
         scale: float | None = None,
         threshold: float = 1.0,
-        keep_ratio: float = 1.0,
+        keep_ratio: float | None = None,
         keep_sink: bool = True,
         keep_recent: bool = True,
         causal: bool = False,
@@ -112,6 +112,7 @@ class EstimateBlockMask(CustomOp):
         forced_blocks: str = "in_budget",
         method: str = OP_DEFAULT_METHOD,
         samples: int = DEFAULT_SAMPLES,
+        mass: float | None = None,
     ) -> EstimateCall:
         """Returns int8 ``mask [B, Nq, Qb, KVb]`` and int32 ``counts [B, Nq, Qb]``.
 
@@ -119,6 +120,12 @@ class EstimateBlockMask(CustomOp):
         blocks included (``forced_blocks="in_budget"``), or sglang's reading
         (``"on_top"``): a cap on the kept share of scored blocks per row (rows of 10 or
         more candidates) with sink, recent and first-frame blocks on top.
+        Default 1 (every block), unless ``mass`` is given: in ``(0, 1]``, the share of
+        each row's estimated attention mass (per-row methods), or of each head's on
+        average over its rows (per-head methods), the kept blocks cover, forced blocks
+        counted (:func:`ditops.attention.selection.select_by_mass`): the density is then
+        whatever each row or head needs (``density_stats`` of the mask returned is the
+        density that runs). Give ``keep_ratio`` or ``mass``, not both.
         ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
         ``dense_blocks`` >= 0 leading block rows and columns are forced on (the first
         video frame). ``method``: how blocks are scored and the budget spent (one of
@@ -138,9 +145,15 @@ class EstimateBlockMask(CustomOp):
                 f"{op}: block_size ({block_size}) must be a multiple of stride ({stride})"
             )
         scale = check_scale(op, scale)
+        if mass is not None and keep_ratio is not None:
+            raise ValueError(
+                f"{op}: give keep_ratio (a density) or mass (a covered share of attention "
+                f"mass), not both (got keep_ratio={keep_ratio!r}, mass={mass!r})"
+            )
         sel = BlockSelection(
             threshold=threshold,
-            keep_ratio=keep_ratio,
+            keep_ratio=1.0 if keep_ratio is None else keep_ratio,
+            mass=mass,
             keep_sink=keep_sink,
             keep_recent=keep_recent,
             causal=causal,
@@ -220,7 +233,7 @@ def estimate_block_mask(
     stride: int = 8,
     scale: float | None = None,
     threshold: float = 1.0,
-    keep_ratio: float = 1.0,
+    keep_ratio: float | None = None,
     keep_sink: bool = True,
     keep_recent: bool = True,
     causal: bool = False,
@@ -228,6 +241,7 @@ def estimate_block_mask(
     forced_blocks: str = "in_budget",
     method: str = OP_DEFAULT_METHOD,
     samples: int = DEFAULT_SAMPLES,
+    mass: float | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A block mask for block-sparse attention, estimated from q and k.
 
@@ -248,13 +262,19 @@ def estimate_block_mask(
             (>= 1 keeps everything the cap allows).
         keep_ratio: in ``(0, 1]``: the share of the block map kept per head, forced blocks
             included (``forced_blocks="in_budget"``), or sglang's per-row cap on scored
-            blocks with forced blocks on top (``"on_top"``).
+            blocks with forced blocks on top (``"on_top"``). Default (None): 1, every
+            block, unless ``mass`` is given.
         keep_sink, keep_recent: force the first key block / the diagonal block on.
         causal: score only keys at or before each query.
         dense_blocks: leading block rows and columns forced on (the first video frame).
         forced_blocks: ``"in_budget"`` or ``"on_top"`` (see ``keep_ratio``).
         method: how blocks are scored and the budget spent.
         samples: query rows per block of the sampled methods.
+        mass: instead of ``keep_ratio``, in ``(0, 1]``: the share of each row's estimated
+            attention mass (per-row methods; each head's on average over its rows for the
+            ``*_head`` methods) the kept blocks cover, forced blocks counted; the density
+            is then what the scores need (``density_stats`` of the mask). Not with
+            ``keep_ratio``, ``threshold < 1``, ``"on_top"`` or ``"sampled_layer"``.
 
     Returns ``(mask, counts)``: int8 ``[B, N, Qb, KVb]`` (1: the key block is kept) and
     int32 ``[B, N, Qb]``, each row's kept blocks; ``Qb = ceil(Sq / block_size)``,
@@ -262,5 +282,6 @@ def estimate_block_mask(
 
     Precision: every fast path is ``fast`` only (``exact`` runs the meaning): their block
     scores may differ by a few ulps of the input dtype, so near-ties can break the other
-    way; the density asked is the density returned.
+    way; the density asked is the density returned (with ``mass``: the coverage asked is
+    reached on the path's own scores).
     """
