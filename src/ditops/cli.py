@@ -350,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
         "hunyuan_video (a small HunyuanVideo model, sparse variants), layer_norm, "
         "modulation, attention, masks (the mask estimation methods against oracles), "
-        "qk_norm_rope",
+        "qk_norm_rope, sglang (the Wan model inside sglang's runtime: stock, ditops dense "
+        "and sparse; needs sglang's environment)",
     )
     bench.add_argument(
         "--size",
