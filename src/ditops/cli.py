@@ -13,7 +13,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,6 +20,8 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
+from ditops.bench.suite import glibc, run_in_other_malloc_state
+from ditops.core.checks import positive_seconds
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
 
@@ -41,13 +42,7 @@ def _info(args: argparse.Namespace) -> int:
     }
     from ditops.core import tune
 
-    tuned = tune.choices(cfg) if cfg.tune != "off" else {}
-    payload["tuning"] = {
-        "mode": cfg.tune,
-        "fingerprint": tune.fingerprint(),
-        "cache_file": str(tune.cache_file(cfg)),
-        "choices": {k: {"winner": c.winner, "why": c.why()} for k, c in tuned.items()},
-    }
+    payload["tuning"], tuning_lines = tune.report(cfg)
     if args.json:
         print(json.dumps(payload, indent=2, default=str))
         return 0
@@ -86,54 +81,22 @@ def _info(args: argparse.Namespace) -> int:
                     print(f"  {d.op}.{c.path}: {c.accepts}")
     else:
         print("\n--verbose: also what each fast path takes (dtypes, precision, backend).")
-    t = payload["tuning"]
-    print(
-        f"\ntuning: DITOPS_TUNE={t['mode']}; where several paths can serve a call, the one "
-        "measured fastest\nfor its shape class (dtype, dims rounded to powers of two) runs; "
-        f"cache {t['cache_file']}\nchoices:"
-    )
-    for line in tune.describe(tuned) if cfg.tune != "off" else ["  (DITOPS_TUNE=off)"]:
-        print(line)
+    print("\n" + "\n".join(tuning_lines))
     return 0
 
 
 def _tune(args: argparse.Namespace) -> int:
-    from ditops.bench.wan_model import ModelLoadError, default_dtype
-    from ditops.core import tune
+    from ditops.bench.tune_model import cli
 
-    try:
-        import diffusers  # noqa: F401 - the Wan model is a diffusers model
-    except ImportError:
-        print("ditops tune: needs diffusers: pip install 'ditops[bench]'", file=sys.stderr)
-        return 2
-    from ditops.bench.tune_model import tune_wan
-
-    device = torch.device(args.device) if args.device else _default_device()
-    dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
-    precisions = config.PRECISIONS if args.precision == "both" else (args.precision,)
-    print(
-        f"ditops tune: the bench Wan ({args.size}) on {device}, {dtype}, precision "
-        f"{'/'.join(precisions)}",
-        file=sys.stderr,
-    )
-    from ditops.bench.load import header
-
-    for line in header():
-        print(line)
-    try:
-        found = tune_wan(device, args.size, precisions, dtype, args.model)
-    except ModelLoadError as exc:
-        print(f"ditops tune: {exc}", file=sys.stderr)
-        return 2
-    print(f"tuned shape classes (cache {tune.cache_file()}):")
-    for line in tune.describe(found):
-        print(line)
-    return 0
+    return cli(args, _default_device())
 
 
 def _bench_argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the bench's arguments (a device that is not there, an output
     that cannot be written), in one line, or None."""
+    for flag in ("device", "json"):  # '' would silently mean the default / no file
+        if getattr(args, flag, None) == "":
+            return f"--{flag} is empty; give a {'device' if flag == 'device' else 'file path'}"
     if args.device:
         try:
             torch.empty(0, device=torch.device(args.device))
@@ -254,8 +217,8 @@ def _bench_suites(args: argparse.Namespace) -> int:
             min_seconds=args.min_seconds,
         )
         rows.extend(ratios(list(results), malloc=malloc))
-        if malloc and suite.malloc_states and args.malloc == "both" and _glibc():
-            rows.extend(_bench_other_malloc_state(args, name, malloc))
+        if malloc and suite.malloc_states and args.malloc == "both" and glibc():
+            rows.extend(run_in_other_malloc_state(args, name, malloc))
     if rows:
         payload["rows"] = rows
         print_table(rows)
@@ -280,12 +243,8 @@ def _bench_suites(args: argparse.Namespace) -> int:
 
             payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
             qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
-    cfg = config.get()
-    tuned = tune.choices(cfg) if cfg.tune != "off" else {}
-    payload["tuned"] = {k: {"winner": c.winner, "why": c.why()} for k, c in tuned.items()}
-    print(f"\ntuned choices (DITOPS_TUNE={cfg.tune}):")
-    for line in tune.describe(tuned) if cfg.tune != "off" else ["  (off: the static order)"]:
-        print(line)
+    payload["tuning"], tuning_lines = tune.report()
+    print("\n" + "\n".join(tuning_lines))
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
@@ -312,40 +271,6 @@ def _bench_parallel(args: argparse.Namespace) -> int:
     except (parallel.LaunchError, ModelLoadError) as exc:
         print(f"ditops bench: {exc}", file=sys.stderr)
         return 2
-
-
-def _glibc() -> bool:
-    import platform
-
-    return platform.libc_ver()[0] == "glibc"
-
-
-def _bench_other_malloc_state(
-    args: argparse.Namespace, name: str, current: str
-) -> list[dict[str, Any]]:
-    """Suite ``name`` run again by a child ``ditops bench`` in the other malloc state."""
-    from ditops.bench import harness
-
-    other = "grows" if current == "fixed" else "fixed"
-    print(
-        f"ditops bench: {name} again in a child process, malloc {other} "
-        f"({harness.MALLOC_STATES[other]})",
-        file=sys.stderr,
-    )
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "rows.json")
-        argv = [sys.executable, "-m", "ditops", "bench", name, "--size", args.size]
-        argv += ["--device", "cpu", "--min-seconds", str(args.min_seconds)]
-        argv += ["--malloc", "current", "--json", path]
-        if args.no_progress:
-            argv.append("--no-progress")
-        status = harness.run_child(argv, harness.malloc_env(other))
-        if status != 0:
-            print(f"ditops bench: the {other} run of {name} failed ({status})", file=sys.stderr)
-            return []
-        with open(path, encoding="utf-8") as f:
-            rows: list[dict[str, Any]] = json.load(f)["rows"]
-    return rows
 
 
 def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -409,17 +334,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="explain for this precision (default: DITOPS_PRECISION)",
     )
-    tune_p = sub.add_parser(
-        "tune", help="time the paths of a model's shape classes ahead of time (DITOPS_TUNE)"
-    )
+    tune_p = sub.add_parser("tune", help="time a model's shape classes ahead (DITOPS_TUNE)")
     tune_p.add_argument("model_name", nargs="?", choices=("wan",), default="wan")
     tune_p.add_argument("--size", choices=("small", "full"), default="small")
     tune_p.add_argument("--precision", choices=("exact", "fast", "both"), default="both")
     tune_p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
     tune_p.add_argument("--device", default=None)
-    tune_p.add_argument(
-        "--model", default=None, metavar="PATH", help="a local diffusers Wan checkpoint"
-    )
+    tune_p.add_argument("--model", default=None, metavar="PATH", help="a local Wan checkpoint")
     bench = sub.add_parser(
         "bench", help="measure ops (and a small Wan model) native against ditops"
     )
@@ -429,7 +350,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
         "hunyuan_video (a small HunyuanVideo model, sparse variants), layer_norm, "
         "modulation, attention, masks (the mask estimation methods against oracles), "
-        "qk_norm_rope",
+        "qk_norm_rope, sglang (the Wan model inside sglang's runtime: stock, ditops dense "
+        "and sparse; needs sglang's environment)",
     )
     bench.add_argument(
         "--size",
@@ -469,7 +391,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan suite under diffusers' context parallelism, one rank per process: launch "
         "with torchrun --nproc-per-node N -m ditops bench --parallel MODE",
     )
-    bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
+    bench.add_argument(
+        "--min-seconds", type=positive_seconds, default=0.5, help="time spent per variant (> 0)"
+    )
     bench.add_argument(
         "--busy",
         action="store_true",

@@ -226,3 +226,33 @@ def test_the_npu_paths_run_inside_sglang(on_npu) -> None:
     size = torch.nn.functional.layer_norm(x.float(), (C,), eps=1e-6).abs()
     assert ulps(got, expected, size * (1 + _rows(scale).abs()) + _rows(shift).abs()) <= 2
     assert ulps(normed, fp32.forward_native(x), size) <= 1
+
+
+def test_the_cuda_paths_run_inside_sglang(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ditops' CUDA platform, CPU tensors taking ditops' ``cuda`` paths (its Triton
+    kernels, run by Triton's interpreter here; strict: a kernel failure raises): Wan's
+    self-attention residual norm, within ditops' Triton contract of sglang's fp32 meaning."""
+    with ditops_platform("cuda"):
+        mine = ln.ScaleResidualLayerNormScaleShift(C, eps=1e-6, elementwise_affine=True)
+    with stock_cpu_platform():
+        ref = ln.ScaleResidualLayerNormScaleShift(C, eps=1e-6, elementwise_affine=True)
+    ref.load_state_dict(mine.state_dict())
+    residual, x = torch.randn(B, L, C), torch.randn(B, L, C)
+    gate = torch.randn(B, 1, C)
+    shift, scale = _mods("row", torch.float32)
+    from ditops.kernels.triton import modulation as kernels
+
+    seen: list[str] = []
+    real = kernels.scale_residual_layer_norm_scale_shift
+    monkeypatch.setattr(
+        kernels,
+        "scale_residual_layer_norm_scale_shift",
+        lambda *a, **k: seen.append(1) or real(*a, **k),
+    )
+    with ditops.force_device_kind({"cpu": "cuda"}), ditops.override(strict=True):
+        got, got_res = mine(residual, x, gate, shift, scale)
+    assert seen == [1]
+    with native_expression():
+        expected, expected_res = ref.forward_native(residual, x, gate, shift, scale)
+    assert torch.equal(got_res, expected_res)  # the gated residual is exact on Triton
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
 import torch
@@ -60,9 +60,17 @@ def reset_state() -> None:
         backend.reset()
     for cls in _registry.values():
         cls._plans = {}
-    from ditops.core import tune  # here: tune imports config, which imports this module
+    for forget in _on_reset:
+        forget()
 
-    tune.forget()
+
+#: Called by :func:`reset_state` (the tuner's in-memory choices register here).
+_on_reset: list[Callable[[], None]] = []
+
+
+def on_reset(fn: Callable[[], None]) -> None:
+    """Have :func:`reset_state` call ``fn`` too."""
+    _on_reset.append(fn)
 
 
 def finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

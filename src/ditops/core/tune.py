@@ -40,29 +40,35 @@ a run. A winner that raises later falls back as any path does.
 from __future__ import annotations
 
 import functools
-import hashlib
 import json
 import logging
 import math
 import os
-import platform
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ditops import config
-from ditops._version import __version__
+from ditops import launch as launch_hook
+from ditops.core import registry
+from ditops.core.tune_cache import CPU_FLAGS, Choice, cache_file, cpu_flags, fingerprint
+
+__all__ = ["CPU_FLAGS", "Choice", "cache_file", "cpu_flags", "fingerprint"]
 from ditops.core.calls import OpCall, invoke
 from ditops.core.checks import dtype_name
 from ditops.core.paths import NATIVE
 
 if TYPE_CHECKING:
-    from ditops.core.op import CustomOp, _Plan
+    from ditops.core.op import CustomOp
+
+#: The dispatcher's cached plan for (op, kind, precision) (``ditops.core.op``): its usable
+#: paths, ``exact``, ``decision`` and ``competitors`` are read here.
+_Plan = Any
 
 logger = logging.getLogger("ditops")
 
@@ -70,89 +76,8 @@ logger = logging.getLogger("ditops")
 ROUNDS = 2
 #: The static choice stays unless another competitor is faster by this fraction.
 KEEP_MARGIN = 0.03
-#: CPU flags that decide which kernels are fast (x86 names from /proc/cpuinfo).
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
-
 #: Returned by :func:`dispatch` when the static choice should run (nothing tuned applies).
 STATIC = object()
-
-
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The :data:`CPU_FLAGS` this CPU has (empty where /proc/cpuinfo is not readable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split()) & frozenset(CPU_FLAGS)
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-@functools.cache
-def fingerprint() -> dict[str, str]:
-    """What makes tuned choices valid: the machine and the software (see module doc)."""
-    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
-    return {
-        "cpu": _cpu_model(),
-        "cpu_flags": ",".join(sorted(cpu_flags())),
-        "gpu": gpu,
-        "torch": torch.__version__,
-        "ditops": __version__,
-        "threads": str(torch.get_num_threads()),
-    }
-
-
-@functools.cache
-def fingerprint_id() -> str:
-    """A short hash of :func:`fingerprint` (the cache file's name)."""
-    text = json.dumps(fingerprint(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def cache_file(cfg: config.Config | None = None) -> Path:
-    """The cache file for this machine under the settings' cache directory."""
-    cfg = cfg or config.get()
-    return _cache_file(cfg.cache_dir, os.environ.get("XDG_CACHE_HOME", ""))
-
-
-@functools.lru_cache(maxsize=16)
-def _cache_file(cache_dir: str, xdg: str) -> Path:
-    if cache_dir:
-        root = Path(cache_dir).expanduser()
-    else:
-        root = (Path(xdg) if xdg else Path.home() / ".cache") / "ditops"
-    return root / f"tune-{fingerprint_id()}.json"
-
-
-@dataclass(frozen=True)
-class Choice:
-    """One tuned shape class: the winner, the competitors and their best times (ms)."""
-
-    winner: str
-    candidates: tuple[str, ...]
-    times_ms: dict[str, float]
-    load: float  # 1-minute load average when measured
-    source: str = "measured"  # or "cache"
-
-    def why(self) -> str:
-        """In words: the times that made the choice."""
-        times = ", ".join(
-            f"{n.removeprefix('forward_')} {t:.3g} ms" for n, t in sorted(self.times_ms.items())
-        )
-        return f"{times} (load {self.load:.2f}, {self.source})"
 
 
 class _Table:
@@ -284,6 +209,25 @@ def describe(found: dict[str, Choice]) -> list[str]:
     return lines or ["  (none yet)"]
 
 
+def report(cfg: config.Config | None = None) -> tuple[dict[str, Any], list[str]]:
+    """The tuning state for ``ditops info`` and ``ditops bench``: JSON-able, and lines."""
+    cfg = cfg or config.get()
+    found = choices(cfg) if cfg.tune != "off" else {}
+    data = {
+        "mode": cfg.tune,
+        "fingerprint": fingerprint(),
+        "cache_file": str(cache_file(cfg)),
+        "choices": {k: {"winner": c.winner, "why": c.why()} for k, c in found.items()},
+    }
+    lines = [
+        f"tuned choices (DITOPS_TUNE={cfg.tune}; where several paths can serve a call, the "
+        "fastest measured for its shape class, dtypes and dims rounded to powers of two; "
+        f"cache {data['cache_file']}):",
+        *(describe(found) if cfg.tune != "off" else ["  (off: the static order)"]),
+    ]
+    return data, lines
+
+
 def forget() -> None:
     """Forget every choice in memory (the cache file stays); for tests and ``ditops tune``."""
     with _table.lock:
@@ -392,41 +336,54 @@ def _measure(
         except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
             return op._after_failure(kind, static, exc, call)
         result = op._mended(static, kind, call, result)
-    alive = [runs[0]]
-    for name, fn in runs[1:]:  # warm-up (a compiled path compiles here)
+    best = _race(kind, key, runs, warmed=1)
+    _decide(key, runs[0][0], plan.competitors, best, cfg)
+    return result
+
+
+def _race(
+    kind: str, key: str, runs: list[tuple[str, Callable[[], Any]]], warmed: int
+) -> dict[str, float]:
+    """Best seconds of each run over :data:`ROUNDS` interleaved rounds (alternating order),
+    after one warm-up each (the first ``warmed`` had theirs: a compile happens there); a
+    run that raises loses (inf) and the call goes on."""
+    alive = list(runs[:warmed])
+    for name, fn in runs[warmed:]:
         try:
             fn()
             alive.append((name, fn))
         except Exception as exc:  # noqa: BLE001 - a loser; the dispatcher meets it later
             logger.debug("ditops tuning %s: %s raised %r, not timed", key, name, exc)
-    best = {name: math.inf for name, _ in alive}
+    best = {name: math.inf for name, _ in runs}
     for r in range(ROUNDS):
         for name, fn in alive if r % 2 == 0 else alive[::-1]:
             _sync(kind)
             t0 = time.perf_counter()
             try:
                 fn()
-            except Exception:  # noqa: BLE001 - raised once timed: it loses, the call goes on
+            except Exception:  # noqa: BLE001 - raised once timed: it loses
                 best[name] = math.inf
                 alive = [a for a in alive if a[0] != name]
                 continue
             _sync(kind)
             best[name] = min(best[name], time.perf_counter() - t0)
-    static = runs[0][0]
+    return best
+
+
+def _decide(
+    key: str, static: str, candidates: tuple[str, ...], best: dict[str, float], cfg: config.Config
+) -> None:
+    """Record the fastest (the static choice unless beaten by :data:`KEEP_MARGIN`)."""
     winner = min(best, key=best.__getitem__)
     if best[static] <= best[winner] * (1 + KEEP_MARGIN):
         winner = static
-    choice = Choice(
-        winner,
-        plan.competitors,
-        {n: round(t * 1e3, 4) for n, t in best.items()},
-        round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0,
-    )
+    times = {n: round(t * 1e3, 4) for n, t in best.items() if t < math.inf}
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
+    choice = Choice(winner, candidates, times, round(load, 2))
     with _table.lock:
         _table.choices[key] = choice
     logger.info("ditops tuning %s: %s (%s)", key, winner, choice.why())
     _save(cache_file(cfg))
-    return result
 
 
 # --- kernel launch configs (Triton) --------------------------------------------------------
@@ -473,30 +430,14 @@ def launch_config(
         launch(configs[0])
         return
     try:
-        best = dict.fromkeys(names, math.inf)
-        order = list(range(len(configs)))[::-1]  # the static config last
-        for i in order:
-            launch(configs[i])  # warm-up: compiles this config
-        for r in range(ROUNDS):
-            for i in order if r % 2 else order[::-1]:
-                _sync(kind)
-                t0 = time.perf_counter()
-                launch(configs[i])
-                _sync(kind)
-                best[names[i]] = min(best[names[i]], time.perf_counter() - t0)
-        launch(configs[0])
-        winner = min(best, key=best.__getitem__)
-        if best[names[0]] <= best[winner] * (1 + KEEP_MARGIN):
-            winner = names[0]
-        choice = Choice(
-            winner,
-            names,
-            {n: round(t * 1e3, 4) for n, t in best.items()},
-            round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else -1.0,
-        )
-        with _table.lock:
-            _table.choices[key] = choice
-        _save(cache_file(cfg))
+        runs = [(n, functools.partial(launch, c)) for n, c in zip(names, configs, strict=True)]
+        best = _race(kind, key, runs[::-1], warmed=0)  # the static config warms up last
+        launch(configs[0])  # ... and runs last: its outputs are the call's
+        _decide(key, names[0], names, best, cfg)
     finally:
         with _table.lock:
             _table.busy.discard(key)
+
+
+launch_hook.tuner = launch_config  # kernels reach the tuner through ditops.launch
+registry.on_reset(forget)

@@ -24,6 +24,7 @@ from ditops.attention.block_mask import MaskDensity, density_stats
 from ditops.attention.layout import to_bnsd
 from ditops.attention.permute import TokenPermutation, choose_heads, cluster_permutation
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
+from ditops.core.checks import as_int
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
@@ -100,9 +101,10 @@ class BlockSparseAttention(nn.Module):
                 f"(got config and {sorted(fields)})"
             )
         self.config = config if config is not None else BlockSparseConfig(**fields)
-        if isinstance(dense_blocks, bool) or not isinstance(dense_blocks, int) or dense_blocks < 0:
+        blocks = as_int(dense_blocks)
+        if blocks is None or blocks < 0:
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
-        self.dense_blocks = dense_blocks
+        self.dense_blocks = blocks
         self.step: int | None = None
         self._last_run: tuple[torch.Tensor, int, int] | None = None
         #: The permuted mode's last permutation (eager calls): tests and benches read it.
@@ -113,8 +115,11 @@ class BlockSparseAttention(nn.Module):
             _eager_kept_or_new_mask()  # made now, before any torch.compile trace
 
     def set_step(self, step: int | None) -> None:
-        """The denoising step index of the next calls (``None``: unknown)."""
-        self.step = step
+        """The denoising step index of the next calls (``None``: unknown); an int >= 0."""
+        number = None if step is None else as_int(step)
+        if step is not None and (number is None or number < 0):
+            raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
+        self.step = number
 
     def set_video_shape(self, latent_shape: Sequence[int], patch_size: int | Sequence[int]) -> None:
         """Keep the first frame dense: ``ceil(frame_tokens / block_size)`` blocks."""
