@@ -9,9 +9,16 @@ from __future__ import annotations
 
 import logging
 import os
+import tempfile
 from collections.abc import Callable, Iterator
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Tests assert which path a call takes: the static order, unless a test turns tuning on
+# (tests/test_tune.py), and never a tuning cache from the user's home.
+os.environ.setdefault("DITOPS_TUNE", "off")
+os.environ.setdefault(
+    "DITOPS_CACHE_DIR", os.path.join(tempfile.gettempdir(), f"ditops-test-cache-{os.getpid()}")
+)
 
 import pytest
 import torch

@@ -114,3 +114,27 @@ def test_override_validates() -> None:
             pass
     with pytest.raises(ConfigError):
         ditops.configure(strict="yes")  # type: ignore[arg-type]
+
+
+def test_sglang_switch_is_off_unless_set() -> None:
+    assert config.sglang_enabled({}) is False
+    assert config.sglang_enabled({"DITOPS_SGLANG": "1"}) is True
+    with pytest.raises(ConfigError, match="DITOPS_SGLANG"):
+        config.sglang_enabled({"DITOPS_SGLANG": "sure"})
+
+
+def test_sglang_entry_point_is_inactive_without_the_switch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import subprocess
+    import sys
+
+    monkeypatch.delenv("DITOPS_SGLANG", raising=False)
+    monkeypatch.delenv("SGLANG_DIFFUSION_PLATFORM_OVERRIDE", raising=False)
+    # In a fresh process: the entry point answers None, and neither it nor `import ditops`
+    # imports sglang (whether or not sglang is installed).
+    code = (
+        "import sys, ditops\n"
+        "from ditops.integrations.sglang import activate\n"
+        "assert activate() is None\n"
+        "assert not [m for m in sys.modules if m.split('.')[0] == 'sglang'], 'sglang imported'\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,14 @@ Sections, each writing OUT_DIR/gpu.json as it finishes (a run cut short keeps wh
    and torch.compile of the meaning, at the issue's shapes, sweeping num_warps.
 2. block_sparse_attention on cuda: agreement with the native reference (small shape),
    then [1, 12, S, 128] bf16 at keep 0.5/0.25/0.1 against dense SDPA, and the estimate.
-3. The small Wan model end to end (ditops bench's default), unpatched vs patched.
+3. The launch-config tuner (DITOPS_TUNE=on, ditops.core.tune.launch_config): the Triton
+   LayerNorm/modulation kernels at Wan and FLUX shapes, the config chosen per shape
+   class (printed and in gpu.json "tuned"), and the kernel's time with the static config
+   against the tuned one, interleaved.
+4. The small Wan model end to end (ditops bench's default), unpatched vs patched.
+
+Sections 1, 2 and 4 run with DITOPS_TUNE=off (the static configs), section 3 with it on;
+its cache goes to OUT_DIR/tune-cache.
 """
 
 from __future__ import annotations
@@ -164,6 +171,50 @@ def attention_section() -> None:
             save()
 
 
+def tuned_section() -> None:
+    from dataclasses import replace
+
+    from ditops import config
+    from ditops.core import tune
+    from ditops.kernels.triton import layer_norm as tln
+    from ditops.kernels.triton import modulation as tmod
+
+    sec: dict[str, Any] = {"speed": [], "choices": {}}
+    RESULT["tuned"] = sec
+    on = replace(config.get(), tune="on", cache_dir=os.path.join(OUT, "tune-cache"))
+    off = replace(on, tune="off")
+    with torch.inference_mode():
+        for rows, c in ((8064, 1536), (32760, 1536), (4608, 3072), (8192, 5120)):
+            x = torch.randn(1, rows, c, device="cuda", dtype=torch.bfloat16)
+            w, b = torch.randn(c, device="cuda"), torch.randn(c, device="cuda")
+            s_, t_ = (torch.randn(1, 1, c, device="cuda") * 0.1 for _ in range(2))
+            cases = {
+                "layer_norm": lambda x=x, w=w, b=b: tln.fp32_layer_norm(x, w, b, 1e-6),
+                "ln_scale_shift": lambda x=x, s_=s_, t_=t_: tmod.layer_norm_scale_shift(
+                    x, None, None, s_, t_, 1e-6
+                ),
+            }
+            for name, fn in cases.items():
+                config._local.override = on
+                t0 = time.time()
+                fn()  # the first call of the class times its configs
+                torch.cuda.synchronize()
+                row = {"case": name, "rows": rows, "C": c, "tuning_s": round(time.time() - t0, 2)}
+                row["tuned_ms"] = bench(fn)
+                config._local.override = off
+                row["static_ms"] = bench(fn)
+                config._local.override = on
+                row["tuned_ms_again"] = bench(fn)
+                config._local.override = None
+                sec["speed"].append(row)
+                print(row, flush=True)
+                save()
+    found = tune.choices(on)
+    sec["choices"] = {k: {"winner": v.winner, "why": v.why()} for k, v in found.items()}
+    print("\n".join(tune.describe(found)), flush=True)
+    save()
+
+
 def wan_section() -> None:
     from ditops.bench import wan
 
@@ -180,9 +231,14 @@ def main() -> None:
     RESULT["gpu"] = torch.cuda.get_device_name()
     RESULT["torch"] = torch.__version__
     RESULT["triton"] = triton.__version__
+    os.environ["DITOPS_TUNE"] = "off"  # the static configs, but in tuned_section
+    from ditops import config
+
+    config.reload()
     for name, fn in (
         ("layer_norm", layer_norm_section),
         ("attention", attention_section),
+        ("tuned", tuned_section),
         ("wan", wan_section),
     ):
         t = time.time()

@@ -1,8 +1,9 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
 ditops info [--json] [--verbose] [--precision fast|exact]
+ditops tune [wan] [--size small|full] [--precision exact|fast|both] [--dtype ...] [--model PATH]
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
-             [--json PATH] [--no-progress] [--malloc both|current]
+             [--json PATH] [--no-progress] [--malloc both|current] [--busy]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
 """
 
@@ -20,6 +21,7 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
+from ditops.core.checks import positive_seconds
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
 
@@ -33,9 +35,19 @@ def _info(args: argparse.Namespace) -> int:
             "DITOPS_CUSTOM_OPS": cfg.custom_ops.text,
             "DITOPS_STRICT": cfg.strict,
             "DITOPS_PRECISION": cfg.precision,
+            "DITOPS_TUNE": cfg.tune,
         },
         "precision": args.precision or cfg.precision,
         "ops": [d.as_dict() for d in decisions],
+    }
+    from ditops.core import tune
+
+    tuned = tune.choices(cfg) if cfg.tune != "off" else {}
+    payload["tuning"] = {
+        "mode": cfg.tune,
+        "fingerprint": tune.fingerprint(),
+        "cache_file": str(tune.cache_file(cfg)),
+        "choices": {k: {"winner": c.winner, "why": c.why()} for k, c in tuned.items()},
     }
     if args.json:
         print(json.dumps(payload, indent=2, default=str))
@@ -75,12 +87,57 @@ def _info(args: argparse.Namespace) -> int:
                     print(f"  {d.op}.{c.path}: {c.accepts}")
     else:
         print("\n--verbose: also what each fast path takes (dtypes, precision, backend).")
+    t = payload["tuning"]
+    print(
+        f"\ntuning: DITOPS_TUNE={t['mode']}; where several paths can serve a call, the one "
+        "measured fastest\nfor its shape class (dtype, dims rounded to powers of two) runs; "
+        f"cache {t['cache_file']}\nchoices:"
+    )
+    for line in tune.describe(tuned) if cfg.tune != "off" else ["  (DITOPS_TUNE=off)"]:
+        print(line)
+    return 0
+
+
+def _tune(args: argparse.Namespace) -> int:
+    from ditops.bench.wan_model import ModelLoadError, default_dtype
+    from ditops.core import tune
+
+    try:
+        import diffusers  # noqa: F401 - the Wan model is a diffusers model
+    except ImportError:
+        print("ditops tune: needs diffusers: pip install 'ditops[bench]'", file=sys.stderr)
+        return 2
+    from ditops.bench.tune_model import tune_wan
+
+    device = torch.device(args.device) if args.device else _default_device()
+    dtype = default_dtype(device) if args.dtype == "auto" else getattr(torch, args.dtype)
+    precisions = config.PRECISIONS if args.precision == "both" else (args.precision,)
+    print(
+        f"ditops tune: the bench Wan ({args.size}) on {device}, {dtype}, precision "
+        f"{'/'.join(precisions)}",
+        file=sys.stderr,
+    )
+    from ditops.bench.load import header
+
+    for line in header():
+        print(line)
+    try:
+        found = tune_wan(device, args.size, precisions, dtype, args.model)
+    except ModelLoadError as exc:
+        print(f"ditops tune: {exc}", file=sys.stderr)
+        return 2
+    print(f"tuned shape classes (cache {tune.cache_file()}):")
+    for line in tune.describe(found):
+        print(line)
     return 0
 
 
 def _bench_argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the bench's arguments (a device that is not there, an output
     that cannot be written), in one line, or None."""
+    for flag in ("device", "json"):  # '' would silently mean the default / no file
+        if getattr(args, flag, None) == "":
+            return f"--{flag} is empty; give a {'device' if flag == 'device' else 'file path'}"
     if args.device:
         try:
             torch.empty(0, device=torch.device(args.device))
@@ -102,6 +159,19 @@ def _bench_argument_problem(args: argparse.Namespace) -> str | None:
 
 
 def _bench(args: argparse.Namespace) -> int:
+    problem = _bench_argument_problem(args)
+    if problem:  # before any benchmark runs: minutes of work never end in a traceback
+        print(f"ditops bench: {problem}", file=sys.stderr)
+        return 2
+    if args.parallel:
+        return _bench_parallel(args)
+    from ditops.bench.load import busy_neighbour
+
+    with busy_neighbour(args.busy):
+        return _bench_suites(args)
+
+
+def _bench_suites(args: argparse.Namespace) -> int:
     from ditops.bench.harness import (
         machine_info,
         malloc_state,
@@ -111,16 +181,12 @@ def _bench(args: argparse.Namespace) -> int:
         run_cases,
         write_json,
     )
+    from ditops.bench.load import header, load_average
     from ditops.bench.suites import SUITES, get_suite
+    from ditops.core import tune
 
-    problem = _bench_argument_problem(args)
-    if problem:  # before any benchmark runs: minutes of work never end in a traceback
-        print(f"ditops bench: {problem}", file=sys.stderr)
-        return 2
-    if args.parallel:
-        return _bench_parallel(args)
     names = args.suites or ["wan"]
-    models = ("wan", "flux", "hunyuan_video")
+    models = ("wan", "flux", "hunyuan_video", "sglang")
     unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
@@ -136,6 +202,11 @@ def _bench(args: argparse.Namespace) -> int:
     malloc = malloc_state() if device.type == "cpu" else None
     rows: list[dict[str, Any]] = []
     payload: dict[str, Any] = {"machine": machine_info(device), "command": " ".join(sys.argv)}
+    payload["machine"].update(
+        fingerprint=tune.fingerprint(), load_at_start=load_average(), busy_neighbour=args.busy
+    )
+    for line in header(args.busy):
+        print(line)
     for name in names:
         if name == "wan":
             try:
@@ -154,6 +225,12 @@ def _bench(args: argparse.Namespace) -> int:
             except ModelLoadError as exc:  # --model PATH that cannot be loaded
                 print(f"ditops bench: {exc}", file=sys.stderr)
                 return 2
+            continue
+        if name == "sglang":  # the bench Wan inside sglang's runtime (needs sglang)
+            from ditops.bench import sglang
+
+            dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
+            payload[name] = sglang.cli(device, args.size, dtype)
             continue
         if name == "flux":  # a small FLUX model end to end (needs diffusers)
             from ditops.bench import flux
@@ -207,6 +284,12 @@ def _bench(args: argparse.Namespace) -> int:
 
             payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
             qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
+    cfg = config.get()
+    tuned = tune.choices(cfg) if cfg.tune != "off" else {}
+    payload["tuned"] = {k: {"winner": c.winner, "why": c.why()} for k, c in tuned.items()}
+    print(f"\ntuned choices (DITOPS_TUNE={cfg.tune}):")
+    for line in tune.describe(tuned) if cfg.tune != "off" else ["  (off: the static order)"]:
+        print(line)
     if args.json:
         write_json(args.json, payload)
         print(f"\nwrote {args.json}", file=sys.stderr)
@@ -330,6 +413,17 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="explain for this precision (default: DITOPS_PRECISION)",
     )
+    tune_p = sub.add_parser(
+        "tune", help="time the paths of a model's shape classes ahead of time (DITOPS_TUNE)"
+    )
+    tune_p.add_argument("model_name", nargs="?", choices=("wan",), default="wan")
+    tune_p.add_argument("--size", choices=("small", "full"), default="small")
+    tune_p.add_argument("--precision", choices=("exact", "fast", "both"), default="both")
+    tune_p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
+    tune_p.add_argument("--device", default=None)
+    tune_p.add_argument(
+        "--model", default=None, metavar="PATH", help="a local diffusers Wan checkpoint"
+    )
     bench = sub.add_parser(
         "bench", help="measure ops (and a small Wan model) native against ditops"
     )
@@ -379,7 +473,14 @@ def build_parser() -> argparse.ArgumentParser:
         help="wan suite under diffusers' context parallelism, one rank per process: launch "
         "with torchrun --nproc-per-node N -m ditops bench --parallel MODE",
     )
-    bench.add_argument("--min-seconds", type=float, default=0.5, help="time spent per variant")
+    bench.add_argument(
+        "--min-seconds", type=positive_seconds, default=0.5, help="time spent per variant (> 0)"
+    )
+    bench.add_argument(
+        "--busy",
+        action="store_true",
+        help="run with a busy neighbour: a process spinning on one core for the whole run",
+    )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
     bench.add_argument(
         "--malloc",
@@ -394,7 +495,8 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        code = _info(args) if args.command == "info" else _bench(args)
+        commands = {"info": _info, "tune": _tune, "bench": _bench}
+        code = commands[args.command](args)
         sys.stdout.flush()  # a closed pipe shows here, inside the try
         return code
     except config.ConfigError as exc:  # a bad DITOPS_* value: one line, not a traceback

@@ -10,7 +10,27 @@
 ``DITOPS_PRECISION``   ``fast`` (default): within each op's stated tolerance of the native
                        path. ``exact``: bitwise equal to the native path on that device
                        (paths that cannot promise it are skipped).
+``DITOPS_TUNE``        How a call chooses among several paths that can serve it under the
+                       same precision (:mod:`ditops.core.tune`): ``on`` (default) times
+                       them on the first call of each shape class and keeps the fastest,
+                       remembered in a cache file per machine; ``cache`` uses the cached
+                       choices but times nothing; ``off`` takes the first usable path in
+                       declared order (deterministic, explained by ``ditops info``).
+``DITOPS_CACHE_DIR``   Where the tuning cache lives: default ``$XDG_CACHE_HOME/ditops``,
+                       else ``~/.cache/ditops``.
+``DITOPS_SGLANG``      ``1`` activates ditops' platform plug-in inside sglang's diffusion
+                       runtime (:mod:`ditops.integrations.sglang`); read by sglang's
+                       platform discovery in each of its processes. Default ``0``: an
+                       installed ditops never changes sglang on its own.
 =====================  ===================================================================
+
+Why ``DITOPS_TUNE=on`` by default: ditops exists to be fast on the machine at hand, and
+which path is fastest was shown to depend on the machine (AMX or not) and on its load.
+Timing never changes a result: in ``exact`` precision every competitor is bitwise equal to
+the meaning, and in ``fast`` each is within the op's stated tolerance (the timed call
+itself returns the output of the path ``off`` would take). It costs a few extra calls once
+per shape class and machine. Set ``off`` where a ``fast`` run must take the same path on
+every machine (bitwise reproducible across machines).
 
 The environment is read once, on first use; :func:`reload` reads it again.
 :func:`configure` changes the **process-wide** settings from code (every thread sees them).
@@ -38,6 +58,7 @@ from ditops.tracing import trace_time_constant
 
 Precision = Literal["fast", "exact"]
 PRECISIONS: tuple[str, ...] = ("fast", "exact")
+TUNE_MODES: tuple[str, ...] = ("off", "on", "cache")
 
 _TRUE = {"1", "true", "yes", "on"}
 _FALSE = {"0", "false", "no", "off", ""}
@@ -125,6 +146,15 @@ def parse_precision(text: str) -> Precision:
     return value  # type: ignore[return-value]
 
 
+def parse_tune(text: str) -> str:
+    value = text.strip().lower()
+    if value not in TUNE_MODES:
+        raise ConfigError(
+            f"DITOPS_TUNE={text!r} is not allowed; expected one of {', '.join(TUNE_MODES)}"
+        )
+    return value
+
+
 @dataclass(frozen=True)
 class Config:
     """The settings in force. ``version`` counts installs of settings (for diagnostics)."""
@@ -132,7 +162,19 @@ class Config:
     custom_ops: OpsSelection = field(default_factory=OpsSelection)
     strict: bool = False
     precision: Precision = "fast"
+    tune: str = "on"
+    cache_dir: str = ""  # DITOPS_CACHE_DIR as given ("": the default place)
     version: int = 0
+
+
+def sglang_enabled(environ: dict[str, str] | None = None) -> bool:
+    """``DITOPS_SGLANG``: whether ditops' sglang platform plug-in is switched on.
+
+    Read afresh on each call (sglang asks once per process, when it picks its platform);
+    a value that is not a boolean raises :class:`ConfigError`.
+    """
+    env = os.environ if environ is None else environ
+    return parse_bool("DITOPS_SGLANG", env.get("DITOPS_SGLANG", "0"))
 
 
 def from_env(environ: dict[str, str] | None = None) -> Config:
@@ -142,6 +184,8 @@ def from_env(environ: dict[str, str] | None = None) -> Config:
         custom_ops=parse_custom_ops(env.get("DITOPS_CUSTOM_OPS", "all")),
         strict=parse_bool("DITOPS_STRICT", env.get("DITOPS_STRICT", "0")),
         precision=parse_precision(env.get("DITOPS_PRECISION", "fast")),
+        tune=parse_tune(env.get("DITOPS_TUNE", "on")),
+        cache_dir=env.get("DITOPS_CACHE_DIR", ""),
     )
 
 
@@ -211,6 +255,7 @@ def _updated(
     custom_ops: str | None,
     strict: bool | None,
     precision: str | None,
+    tune: str | None = None,
 ) -> Config:
     cfg = base
     if custom_ops is not None:
@@ -229,11 +274,19 @@ def _updated(
         if not isinstance(precision, str):
             raise ConfigError(f"precision must be 'fast' or 'exact', got {precision!r}")
         cfg = replace(cfg, precision=parse_precision(precision))
+    if tune is not None:
+        if not isinstance(tune, str):
+            raise ConfigError(f"tune must be one of {', '.join(TUNE_MODES)}, got {tune!r}")
+        cfg = replace(cfg, tune=parse_tune(tune))
     return cfg
 
 
 def configure(
-    *, custom_ops: str | None = None, strict: bool | None = None, precision: str | None = None
+    *,
+    custom_ops: str | None = None,
+    strict: bool | None = None,
+    precision: str | None = None,
+    tune: str | None = None,
 ) -> Config:
     """Change the process-wide settings from code; ``None`` leaves a setting as it is.
 
@@ -242,14 +295,18 @@ def configure(
     the settings as they were. A thread inside an :func:`override` block keeps its
     override until the block ends.
     """
-    new = _updated(process_config(), custom_ops, strict, precision)
+    new = _updated(process_config(), custom_ops, strict, precision, tune)
     with _lock:
         return _install(new)
 
 
 @contextlib.contextmanager
 def override(
-    *, custom_ops: str | None = None, strict: bool | None = None, precision: str | None = None
+    *,
+    custom_ops: str | None = None,
+    strict: bool | None = None,
+    precision: str | None = None,
+    tune: str | None = None,
 ) -> Iterator[Config]:
     """Change the settings for the calling thread inside a ``with`` block.
 
@@ -258,7 +315,7 @@ def override(
     meanwhile. Validated on entry, like :func:`configure`.
     """
     saved = getattr(_local, "override", None)
-    new = _stamped(_updated(get(), custom_ops, strict, precision))
+    new = _stamped(_updated(get(), custom_ops, strict, precision, tune))
     _local.override = new
     try:
         yield new

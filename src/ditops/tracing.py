@@ -8,6 +8,8 @@ result into the graph as a constant. ``tests/test_tracing.py`` checks that the m
 still the one torch sets, so a torch upgrade that changes it fails loudly.
 
 :func:`traced` is ditops' one question "is this code being traced into a graph?".
+:func:`refuse_under_fullgraph` turns a graph break ditops is about to make into an error
+that says what to change, when the trace may not break (``fullgraph=True``).
 """
 
 from __future__ import annotations
@@ -53,3 +55,27 @@ def traced() -> bool:
 # is_compiling(), torch keeps it as one process-wide flag, so a non-strict export in one
 # thread still reads as traced in the others; dynamo's answer above is per frame.
 _non_strict_tracing = getattr(torch.compiler, "_is_non_strict_tracing", None)
+
+
+@trace_time_constant
+def refuse_under_fullgraph(message: str) -> bool:
+    """Raise ``ValueError(message)`` when dynamo traces this frame with ``fullgraph=True``
+    (or under ``torch._dynamo.error_on_graph_break(True)``); else return False.
+
+    Call it under :func:`traced`, where ditops' code will break the graph, as early as
+    the trace allows (dynamo's own error there names neither ditops nor the option to
+    change). It runs as plain Python at trace time (a trace-time constant), so it costs
+    nothing in the graph. It reads dynamo's private translator state (torch 2.13:
+    ``InstructionTranslator.current_tx().one_graph``); if torch renames it this returns
+    False and dynamo's own error stands (``tests/test_tracing.py`` would fail first).
+    """
+    from torch._dynamo import symbolic_convert, utils  # traced() holds: dynamo is loaded
+
+    try:
+        tx = symbolic_convert.InstructionTranslator.current_tx()
+        strict = bool(getattr(tx, "one_graph", False) or utils._get_error_on_graph_break())
+    except AttributeError:  # not dynamo (export's non-strict tracing), or a renamed state
+        strict = False
+    if strict:
+        raise ValueError(message)
+    return False

@@ -252,3 +252,40 @@ def test_budget_exactly_the_forced_blocks_is_quiet(caplog) -> None:
     with caplog.at_level(logging.WARNING, logger="ditops"), torch.inference_mode():
         estimate_block_mask(q, k, keep_ratio=429 / 3969, dense_blocks=3)
     assert not [r for r in caplog.records if r.name == "ditops"]
+
+
+# --- the budget under torch.compile with dynamic shapes (issue 25, item 7) -----------------
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    ("dense_blocks", "sink", "recent"), [(0, True, True), (0, False, False), (3, True, False)]
+)
+def test_row_shares_are_the_host_split(causal, dense_blocks, sink, recent) -> None:
+    """:meth:`BlockBudget.row_shares` (tensor ops, what the selection uses) and
+    :attr:`BlockBudget.per_row` (host ints, the NPU ratio) are one split."""
+    flags = {"keep_sink": sink, "keep_recent": recent, "causal": causal}
+    for q_blocks, kv_blocks in ((1, 1), (2, 5), (9, 9), (13, 7), (7, 13), (40, 40)):
+        for ratio in (0.1, 0.37, 0.5, 0.9, 1.0):
+            budget = block_budget(
+                q_blocks, kv_blocks, keep_ratio=ratio, dense_blocks=dense_blocks, **flags
+            )
+            assert budget.row_shares().tolist() == list(budget.per_row)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_the_selection_compiles_fullgraph_at_dynamic_shapes(causal: bool) -> None:
+    """Under dynamic shapes the block counts are SymInts: the budget is closed forms and
+    tensor ops (before: ``sorted`` with SymInt keys, "sort with non-constant keys")."""
+    torch._dynamo.reset()
+    kw = {"keep_sink": True, "keep_recent": True, "causal": causal, "dense_blocks": 2}
+
+    def select(scores: torch.Tensor) -> torch.Tensor:
+        return select_in_budget(scores, threshold=1.0, keep_ratio=0.5, **kw)
+
+    compiled = torch.compile(select, fullgraph=True, dynamic=True, backend="aot_eager")
+    gen = torch.Generator().manual_seed(0)
+    for blocks in (12, 17, 23):
+        scores = torch.rand(1, 2, blocks, blocks, generator=gen)
+        assert not block_budget(blocks, blocks, keep_ratio=0.5, **kw).forced_only
+        assert torch.equal(compiled(scores), select(scores)), blocks

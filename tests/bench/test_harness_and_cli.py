@@ -314,7 +314,7 @@ def test_bench_runs_malloc_suites_in_both_states(
 
     monkeypatch.setattr(harness, "run_child", child)
     out_json = tmp_path / "bench.json"
-    argv = ["bench", "toy_alloc", "--min-seconds", "0", "--no-progress", "--malloc", mode]
+    argv = ["bench", "toy_alloc", "--min-seconds", "1e-9", "--no-progress", "--malloc", mode]
     assert cli.main([*argv, "--json", str(out_json)]) == 0
     rows = json.loads(out_json.read_text())["rows"]
     text = capsys.readouterr().out.split("== toy_alloc")[-1]  # the parent's table
@@ -335,6 +335,8 @@ def test_bench_runs_malloc_suites_in_both_states(
         (["--json", "/nonexistent-ditops/x.json"], "the folder /nonexistent-ditops does not exist"),
         (["--plot", "/nonexistent-ditops/p.png"], "the folder /nonexistent-ditops does not exist"),
         (["--json", "."], "is a directory"),
+        (["--json", ""], "--json is empty"),
+        (["--device", ""], "--device is empty"),
     ],
 )
 def test_bad_bench_arguments_are_one_line_and_exit_2_before_any_benchmark(
@@ -349,3 +351,68 @@ def test_bad_bench_arguments_are_one_line_and_exit_2_before_any_benchmark(
     assert cli.main(["bench", "layer_norm", *argv]) == 2
     err = capsys.readouterr().err.strip()
     assert fragment in err and len(err.splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "-0.0", "nan", "inf", "-inf", "1e999", "abc", ""])
+def test_a_time_that_is_not_a_positive_number_exits_2_before_anything_runs(
+    value: str, capsys: pytest.CaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every numeric option of the command (--min-seconds is the only one): argparse
+    refuses what is not a positive finite number, naming the option."""
+    from ditops.bench import harness
+
+    def never(*a: object, **k: object) -> None:
+        raise AssertionError("a benchmark ran with a bad --min-seconds")
+
+    monkeypatch.setattr(harness, "run_cases", never)
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(["bench", "layer_norm", f"--min-seconds={value}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "--min-seconds" in err and "a positive number of seconds" in err, err
+
+
+def test_a_positive_time_is_taken() -> None:
+    args = cli.build_parser().parse_args(["bench", "layer_norm", "--min-seconds", "0.25"])
+    assert args.min_seconds == 0.25
+
+
+def test_bench_busy_prints_the_machine_load_and_tuned_choices(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], tmp_path: Path
+) -> None:
+    """``--busy`` runs the cases while another process spins (seen from inside a case),
+    and only then: it is gone after the run. The output opens with the machine
+    fingerprint and the load at start, and ends with the tuned choices."""
+    import subprocess as sp
+
+    from ditops.bench import load
+
+    spinners: list[sp.Popen] = []
+    real_popen = sp.Popen
+
+    def popen(*a, **kw):
+        proc = real_popen(*a, **kw)
+        spinners.append(proc)
+        return proc
+
+    monkeypatch.setattr(load.subprocess, "Popen", popen)
+    alive_in_case: list[bool] = []
+
+    def cases(device: torch.device, size: str) -> Iterator[Case]:
+        x = torch.randn(8, 8)
+        alive_in_case.append(bool(spinners) and spinners[0].poll() is None)
+        yield Case(suite="toy_busy", name="8x8", variants={"native": x.clone}, bytes_moved=1)
+
+    toy = suites.Suite("toy_busy", "toy", cases, lambda size: 1)
+    monkeypatch.setitem(suites.SUITES, "toy_busy", __name__)
+    monkeypatch.setattr(sys.modules[__name__], "SUITE", toy, raising=False)
+    out_json = tmp_path / "b.json"
+    argv = ["bench", "toy_busy", "--busy", "--min-seconds", "1e-9", "--no-progress"]
+    assert cli.main([*argv, "--json", str(out_json)]) == 0
+    assert alive_in_case == [True]
+    assert spinners[0].poll() is not None  # killed at the end
+    out = capsys.readouterr().out
+    assert out.startswith("machine: ") and "load average at start: " in out
+    assert "busy neighbour" in out and "tuned choices (DITOPS_TUNE=" in out
+    machine = json.loads(out_json.read_text())["machine"]
+    assert machine["busy_neighbour"] is True and "cpu_flags" in machine["fingerprint"]

@@ -36,7 +36,7 @@ def test_cli_runs_the_suite(
 ) -> None:
     monkeypatch.setitem(bench.SHAPES, "small", (("flux", 10, 2, False),))
     path = tmp_path / "qk.json"
-    argv = ["bench", "qk_norm_rope", "--json", str(path), "--no-progress", "--min-seconds", "0"]
+    argv = ["bench", "qk_norm_rope", "--json", str(path), "--no-progress", "--min-seconds", "1e-9"]
     assert cli.main(argv) == 0
     out = capsys.readouterr().out
     assert "qk_norm_rope targets" in out and "flux 10x2x16" in out

@@ -145,3 +145,40 @@ def test_no_fresh_pages_per_block_in_either_allocator_state() -> None:
     if problems:
         problems = _page_fault_problems()
     assert not problems, problems
+
+
+def test_kernel_threads_is_per_thread_and_restored() -> None:
+    """The blocked kernels' one intra-op thread is the calling thread's setting only: other
+    threads, threads started later and the caller after the kernel keep theirs."""
+    import threading
+
+    if blocks._omp() is None:
+        pytest.skip("torch is not built with its own libgomp here: kernel_threads does nothing")
+    before = torch.get_num_threads()
+    seen: dict[str, int] = {}
+    with blocks.kernel_threads(1):
+        seen["inside"] = torch.get_num_threads()
+        t = threading.Thread(target=lambda: seen.update(other=torch.get_num_threads()))
+        t.start()
+        t.join()
+    assert seen["inside"] == 1
+    assert seen["other"] == before
+    assert torch.get_num_threads() == before
+
+
+def test_a_kernel_runs_with_blocks_threads(monkeypatch: pytest.MonkeyPatch) -> None:
+    from ditops.kernels.cpu import modulation
+
+    seen: list[int] = []
+    real = modulation._gated_sum_exact  # called per block, inside the kernel's loop
+
+    def spy(*args):
+        seen.append(torch.get_num_threads())
+        return real(*args)
+
+    monkeypatch.setattr(modulation, "_gated_sum_exact", spy)
+    x = torch.randn(1, 8, 16)
+    modulation.gated_residual(x, x, None, True)
+    if blocks._omp() is not None:
+        assert seen == [blocks.THREADS or torch.get_num_threads()]
+    assert torch.get_num_threads() >= 1

@@ -18,6 +18,7 @@ import ditops.kernels.flex_attention as flex_kernel
 import ditops.ops.block_sparse_attention as bsa_op
 from ditops import config
 from ditops.backends.inductor_cpu import INDUCTOR_CPU
+from ditops.core import tune
 from ditops.core.registry import reset_state
 from ditops.custom_op import BackendUnavailableError
 from ditops.ops.block_sparse_attention import CPU_FLEX_MIN_TOKENS, block_sparse_attention
@@ -36,10 +37,13 @@ def inputs(seq: int, dtype: torch.dtype = torch.bfloat16):
 
 @pytest.fixture
 def amx(monkeypatch: pytest.MonkeyPatch):
-    """Set whether 'this CPU' has AMX tiles: ``amx(True)``."""
+    """Set whether 'this CPU' has AMX tiles: ``amx(True)``; ``amx(False)`` also takes
+    AVX-512-BF16 away (the static rule's other CPU kind), ``amx(False, bf16=True)`` not."""
 
-    def set_amx(value: bool) -> None:
+    def set_amx(value: bool, bf16: bool = False) -> None:
         monkeypatch.setattr(bsa_op, "amx_tiles", lambda: value)
+        flags = frozenset({"avx512f", "avx512_bf16"} if bf16 else {"avx2"})
+        monkeypatch.setattr(tune, "cpu_flags", lambda: flags)
 
     return set_amx
 
@@ -58,10 +62,64 @@ def test_bf16_long_sequence_with_amx_takes_flex(amx) -> None:
     assert chosen(*inputs(LONG)) == "forward_cpu_flex"
 
 
+def test_avx512_bf16_without_amx_takes_flex_too(amx) -> None:
+    amx(False, bf16=True)  # measured there: flex 2.46x dense, gathered 1.47x
+    assert chosen(*inputs(LONG)) == "forward_cpu_flex"
+
+
+@pytest.mark.parametrize("flex_wins", [True, False])
+def test_tuned_the_faster_path_is_kept_whatever_the_cpu(
+    amx, monkeypatch: pytest.MonkeyPatch, tmp_path, flex_wins: bool
+) -> None:
+    """DITOPS_TUNE=on replaces the static rule by measurement. Test doubles of both
+    kernels (the gathered one's result, after a set delay) make either one the faster."""
+    import time
+
+    import ditops.kernels.cpu.block_sparse_attention as gathered_kernel
+
+    amx(False)  # the static rule would say gathered
+    real = gathered_kernel.gathered_block_sparse_attention
+    ran: list[str] = []
+
+    def slow_if(name: str, slow: bool):
+        def kernel(*a, **kw):
+            ran.append(name)
+            time.sleep(0.3 if slow else 0.0)  # far beyond the noise of a loaded machine
+            return real(*a, **kw) if name == "gathered" else None
+
+        return kernel
+
+    gathered = slow_if("gathered", flex_wins)
+    flex = slow_if("flex", not flex_wins)
+
+    def flex_double(qb, kb, vb, block_mask, scale, needs_mask_mod):
+        flex()
+        return real(qb, kb, vb, args[3], scale, False, 128, False)
+
+    monkeypatch.setattr(gathered_kernel, "gathered_block_sparse_attention", gathered)
+    monkeypatch.setattr(flex_kernel, "flex_block_sparse_attention", flex_double)
+    args = inputs(LONG)
+    reset_state()
+    try:
+        with config.override(tune="on"), torch.no_grad():
+            cfg = config.get()
+            config._local.override = config.replace(cfg, cache_dir=str(tmp_path))
+            first = block_sparse_attention(*args)
+            assert ran[0] == "gathered"  # the static choice's output is the first result
+            ran.clear()
+            again = block_sparse_attention(*args)
+        assert ran == (["flex"] if flex_wins else ["gathered"])
+        assert torch.equal(first, again)
+        (choice,) = tune.choices(config.replace(cfg, cache_dir=str(tmp_path))).values()
+        assert set(choice.candidates) == {"forward_cpu_flex", "forward_cpu"}  # no meaning
+    finally:
+        reset_state()
+
+
 @pytest.mark.parametrize(
     ("case", "reason"),
     [
-        ("no_amx", "no AMX on this CPU"),
+        ("no_amx", "no AMX or AVX-512-BF16 on this CPU"),
         ("fp32", "dtype float32 not supported"),
         ("fp16", "dtype float16 not supported"),  # not measured: AMX-FP16 is newer
         ("short", f"query tokens < CPU_FLEX_MIN_TOKENS={CPU_FLEX_MIN_TOKENS}"),

@@ -9,7 +9,9 @@ interleaved in one process (dense, then each kernel, repeated), medians of wall 
 * ``gathered``: the selected key blocks copied together, SDPA on them
   (:mod:`ditops.kernels.cpu.block_sparse_attention`);
 * ``flex``: compiled FlexAttention with the same blocks (:mod:`ditops.kernels.flex_attention`;
-  compiled once per shape before timing, the compile time is printed apart).
+  compiled once per shape before timing, the compile time is printed apart);
+* ``op``: ``ditops.block_sparse_attention`` as a user calls it, under the process's
+  ``DITOPS_TUNE`` (``on``: its first call times both paths; the choice is printed).
 
 ``eff`` is ``speedup x density`` (1.0 = as fast per computed block as dense SDPA; the
 issue's target is 0.85); ``err`` the largest difference to ``forward_native`` in units
@@ -42,6 +44,7 @@ BLOCK = 128
 
 
 def kernels(q, k, v, mask, counts) -> dict[str, Callable[[], torch.Tensor]]:
+    """The variants besides dense (see the module docstring)."""
     scale = q.shape[-1] ** -0.5
     seq = q.shape[2]
     flex_mask = to_flex_block_mask(mask, counts, q_len=seq, kv_len=seq, block_size=BLOCK,
@@ -53,6 +56,7 @@ def kernels(q, k, v, mask, counts) -> dict[str, Callable[[], torch.Tensor]]:
         "flex": lambda: flex_block_sparse_attention(
             q, k, v, flex_mask, scale=scale, needs_mask_mod=False
         ),
+        "op": lambda: block_sparse_attention(q, k, v, mask, counts),
     }
 
 
@@ -106,6 +110,11 @@ def main() -> None:
                     err = f"{errs[name]:.1e}" if name in errs else "-"
                     print(f"{dtype_name:9} {keep:5.2f} {density:7.3f} {name:9} {t * 1e3:8.1f} "
                           f"{x:8.2f} {eff:5.2f} {err:>8}", flush=True)  # fmt: skip
+    from ditops.bench.load import header
+    from ditops.core import tune
+
+    print("# " + "\n# ".join(header()))
+    print("# tuned choices:\n# " + "\n# ".join(tune.describe(tune.choices())))
     print(f"# load at the end {os.getloadavg()[0]:.1f}")
 
 

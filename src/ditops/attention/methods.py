@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
+from ditops.core.checks import as_int
 
 #: method name -> (scores, allocation).
 METHODS: dict[str, tuple[str, str]] = {
@@ -57,9 +58,10 @@ def check_method(
     method: object, samples: object, *, forced_blocks: str, threshold: float, where: str
 ) -> None:
     """Raise a ValueError saying what is valid when ``method``/``samples`` are not."""
-    if method not in METHODS:
+    if not isinstance(method, str) or method not in METHODS:
         raise ValueError(f"{where}: method must be one of {tuple(METHODS)}, got {method!r}")
-    if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+    number = as_int(samples)
+    if number is None or number < 1:
         raise ValueError(f"{where}: samples must be an int >= 1, got {samples!r}")
     if METHODS[method][1] in POOLED_ALLOCATIONS:
         over = "per head" if METHODS[method][1] == "head" else "over a layer's heads"

@@ -18,13 +18,17 @@ from dataclasses import dataclass
 
 from ditops.attention.methods import DEFAULT_METHOD, DEFAULT_SAMPLES, check_method
 from ditops.attention.selection import FORCED_BLOCKS, BlockSelection
+from ditops.core.checks import as_int, as_real
 
 
-def _check_int(name: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
+def _check_int(name: str, value: object, low: int) -> int:
+    """An integer of any type (numpy's too; not a bool) >= ``low``, as a Python int."""
+    number = as_int(value)
+    if number is None:
         raise TypeError(f"{name} must be an int, got {type(value).__name__} {value!r}")
-    if value < low:
+    if number < low:
         raise ValueError(f"{name} must be >= {low}, got {value}")
+    return number
 
 
 def _check_bool(name: str, value: object) -> None:
@@ -33,11 +37,13 @@ def _check_bool(name: str, value: object) -> None:
 
 
 def _check_float(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    """A real number (numpy's too; not a bool) a float holds exactly, as a Python float."""
+    number = as_real(value)
+    if number is None:
         raise TypeError(f"{name} must be a number, got {type(value).__name__} {value!r}")
-    if math.isnan(value):
+    if math.isnan(number):
         raise ValueError(f"{name} must be a number, got NaN")
-    return float(value)
+    return number
 
 
 @dataclass(frozen=True)
@@ -128,6 +134,16 @@ class BlockSparseConfig:
     clusters: int = 0
 
     def __post_init__(self) -> None:
+        # Numbers of any type (numpy's) are kept as Python ints and floats: equal configs
+        # compare and hash equal, and repr reads as the user wrote them.
+        for name in ("sparsity", "threshold"):
+            object.__setattr__(self, name, _check_float(name, getattr(self, name)))
+        for name, low in (("skip_first_steps", 0), ("block_size", 1), ("stride", 1),
+                          ("estimate_every", 1), ("samples", 1), ("clusters", 0)):  # fmt: skip
+            value = getattr(self, name)
+            number = as_int(value)
+            if number is not None and number >= low:
+                object.__setattr__(self, name, number)
         sparsity = _check_float("sparsity", self.sparsity)
         if self.mass is not None and sparsity != 0.0:
             raise ValueError(
@@ -199,8 +215,7 @@ class BlockSparseConfig:
                 f"skip_first_steps={self.skip_first_steps} needs the denoising step index: "
                 "pass step= or call set_step() on the attention module"
             )
-        _check_int("step", step, 0)
-        return step < self.skip_first_steps
+        return _check_int("step", step, 0) < self.skip_first_steps
 
 
 def first_frame_dense_blocks(
@@ -220,8 +235,9 @@ def first_frame_dense_blocks(
         raise ValueError(
             f"latent_shape must end in positive (frames, height, width), got {list(latent_shape)}"
         )
-    if isinstance(patch_size, int):
-        ph = pw = patch_size
+    single = as_int(patch_size)
+    if single is not None:
+        ph = pw = single
     else:
         patch = [int(p) for p in patch_size]
         if len(patch) not in (2, 3):
@@ -231,7 +247,7 @@ def first_frame_dense_blocks(
         ph, pw = patch[-2], patch[-1]
     if ph < 1 or pw < 1:
         raise ValueError(f"patch sizes must be positive, got {patch_size!r}")
-    _check_int("block_size", block_size, 1)
+    block_size = _check_int("block_size", block_size, 1)
     height, width = shape[-2], shape[-1]
     if height < ph or width < pw:
         raise ValueError(f"a frame of {height}x{width} latents is smaller than the patch {ph}x{pw}")

@@ -173,14 +173,18 @@ class BlockBudget:
 
     ``candidates``: blocks of the map (the causal triangle's under ``causal``);
     ``forced``: of those, the forced ones; ``total``: the budget,
-    ``round(keep_ratio * candidates)``; ``per_row``: scored blocks each query block row
-    keeps (all 0 when ``forced >= total``).
+    ``round(keep_ratio * candidates)``. The scalars are closed forms of the block counts
+    (no loop over rows), so under torch.compile with dynamic shapes they stay symbolic
+    and one graph serves every resolution. What each query block row keeps beyond its
+    forced blocks: :meth:`row_shares` (a tensor, traceable) or :attr:`per_row` (host ints).
     """
 
+    q_blocks: int
+    kv_blocks: int
     candidates: int
     forced: int
     total: int
-    per_row: tuple[int, ...]
+    sel: BlockSelection = field(repr=False)
 
     @property
     def forced_only(self) -> bool:
@@ -197,48 +201,109 @@ class BlockBudget:
         """The smallest density reachable: the forced blocks' share of the map."""
         return self.forced / self.candidates if self.candidates else 0.0
 
+    def row_shares(self, device: torch.device | str | None = None) -> torch.Tensor:
+        """Int64 ``[Qb]``: scored blocks each query block row keeps (all 0 when
+        ``forced >= total``). What is left after the forced blocks is split in proportion
+        to the rows' scored candidates; the largest remainders get the blocks the floors
+        left over, earlier rows first on ties. Tensor ops only: traceable at any shape."""
+        left = self.total - self.forced
+        scorable = _scorable_per_row(self.q_blocks, self.kv_blocks, self.sel, device)
+        if left <= 0:
+            return torch.zeros_like(scorable)
+        pool = self.candidates - self.forced  # >= left, as total <= candidates
+        share = scorable * left
+        floors = share // pool
+        order = (share % pool).argsort(descending=True, stable=True)
+        ranks = torch.arange(self.q_blocks, device=order.device)
+        rank = torch.empty_like(order).scatter_(0, order, ranks)
+        return floors + (rank < left - floors.sum()).to(floors.dtype)
 
-def _row_layout(q_blocks: int, kv_blocks: int, sel: BlockSelection) -> list[tuple[int, int]]:
-    """Per query block row: (candidates, forced blocks), in plain ints (no tensor reads,
-    so this runs at trace time under torch.compile). Mirrors :func:`forced_block_mask`."""
-    rows = []
-    for r in range(q_blocks):
-        n = min(r + 1, kv_blocks) if sel.causal else kv_blocks
-        if r < sel.dense_blocks or (sel.causal and n <= 2):
-            rows.append((n, n))
-            continue
-        lo = min(sel.dense_blocks, n)  # columns 0 .. lo-1 are the first frame's
-        forced = lo
-        if sel.keep_sink and n > 0 and lo == 0:
-            forced, lo = 1, 1
-        if sel.keep_recent and n - 1 >= lo:
-            forced += 1
-        rows.append((n, forced))
-    return rows
+    @property
+    def per_row(self) -> tuple[int, ...]:
+        """:meth:`row_shares` computed in host ints, with no tensor (eager callers that
+        need Python numbers: the NPU kernel's ratio, tests). Needs int block counts."""
+        left = self.total - self.forced
+        if left <= 0:
+            return (0,) * self.q_blocks
+        pool = self.candidates - self.forced
+        first = _first_scored_row(self.kv_blocks, self.sel)
+        c = _forced_per_scored_row(self.sel)
+        shares = []
+        for r in range(self.q_blocks):
+            n = min(r + 1, self.kv_blocks) if self.sel.causal else self.kv_blocks
+            whole = r < first or (self.sel.causal and n <= 2)
+            shares.append(0 if whole else max(n - c, 0) * left)
+        per_row = [s // pool for s in shares]
+        order = sorted(range(self.q_blocks), key=lambda r: (-(shares[r] % pool), r))
+        for r in order[: left - sum(per_row)]:
+            per_row[r] += 1
+        return tuple(per_row)
+
+
+def _forced_per_scored_row(sel: BlockSelection) -> int:
+    """Forced blocks of a row that is not forced whole, when it has that many
+    candidates or more: the first frame's columns (the sink among them; else the sink
+    alone) and the recent block. A row with fewer candidates has all of them forced."""
+    return (sel.dense_blocks if sel.dense_blocks > 0 else int(sel.keep_sink)) + int(sel.keep_recent)
+
+
+def _first_scored_row(kv_blocks: int, sel: BlockSelection) -> int:
+    """Rows before it are forced whole: the first frame's, and under ``causal`` the
+    rows of at most two candidates (all of them when ``kv_blocks <= 2``)."""
+    if not sel.causal:
+        return sel.dense_blocks
+    return max(sel.dense_blocks, 2)
+
+
+def _scorable_per_row(
+    q_blocks: int, kv_blocks: int, sel: BlockSelection, device: torch.device | str | None
+) -> torch.Tensor:
+    """Int64 ``[Qb]``: candidates of each row that are not forced (mirrors
+    :func:`forced_block_mask`)."""
+    rows = torch.arange(q_blocks, device=device)
+    n = (rows + 1).clamp(max=kv_blocks) if sel.causal else torch.full_like(rows, kv_blocks)
+    scored = (n - _forced_per_scored_row(sel)).clamp(min=0)
+    whole = rows < _first_scored_row(kv_blocks, sel)
+    if sel.causal:
+        whole = whole | (n <= 2)
+    return scored.masked_fill(whole, 0)
+
+
+def _sum_scored(rows: int, kv_blocks: int, causal: bool, c: int) -> int:
+    """``sum(max(n_j - c, 0) for j in 1..rows)`` with ``n_j`` the candidates of row
+    ``j - 1`` (``kv_blocks``, or ``min(j, kv_blocks)`` under ``causal``), in closed form."""
+    over = torch.sym_max(kv_blocks - c, 0)
+    if not causal:
+        return rows * over
+    t = torch.sym_max(torch.sym_min(rows, kv_blocks) - c, 0)
+    return t * (t + 1) // 2 + torch.sym_max(rows - kv_blocks, 0) * over
 
 
 def block_budget(
     q_blocks: int, kv_blocks: int, sel: BlockSelection | None = None, **fields: Any
 ) -> BlockBudget:
     """Split ``sel.keep_ratio`` of the block map over its rows (see
-    :mod:`ditops.attention.estimate`). ``fields``: see :func:`selection_of`."""
+    :mod:`ditops.attention.estimate`). ``fields``: see :func:`selection_of`.
+
+    Closed forms of ``q_blocks``/``kv_blocks`` (ints, or SymInts under torch.compile with
+    dynamic shapes): no loop over the rows, no sort of symbolic keys."""
     sel = selection_of(sel, fields)
-    rows = _row_layout(q_blocks, kv_blocks, sel)
-    candidates = sum(n for n, _ in rows)
-    forced = sum(f for _, f in rows)
+    if sel.causal:
+        full = torch.sym_min(q_blocks, kv_blocks)
+        candidates = full * (full + 1) // 2 + torch.sym_max(q_blocks - kv_blocks, 0) * kv_blocks
+    else:
+        candidates = q_blocks * kv_blocks
+    if sel.causal and kv_blocks <= 2:
+        scorable = 0  # every row has at most two candidates: all forced
+    else:
+        c = _forced_per_scored_row(sel)
+        first = torch.sym_min(_first_scored_row(kv_blocks, sel), q_blocks)
+        scorable = _sum_scored(q_blocks, kv_blocks, sel.causal, c) - _sum_scored(
+            first, kv_blocks, sel.causal, c
+        )
+    forced = candidates - scorable
     total = math.floor(sel.keep_ratio * candidates + 0.5)
-    left = total - forced
-    if left <= 0:
-        return BlockBudget(candidates, forced, total, (0,) * q_blocks)
-    scorable = [n - f for n, f in rows]
-    pool = sum(scorable)  # >= left, as total <= candidates
-    per_row = [left * s // pool for s in scorable]
-    # Largest remainders get the blocks the floors left over (earlier rows first on ties).
-    spare = left - sum(per_row)
-    order = sorted(range(q_blocks), key=lambda r: (-((left * scorable[r]) % pool), r))
-    for r in order[:spare]:
-        per_row[r] += 1
-    return BlockBudget(candidates, forced, total, tuple(per_row))
+    return BlockBudget(q_blocks, kv_blocks, candidates, forced, total, sel)
 
 
 def candidate_blocks(
@@ -367,7 +432,7 @@ def select_in_budget(
     rank = torch.empty_like(order).scatter_(
         -1, order, torch.arange(kv_blocks, device=dev).expand_as(order)
     )
-    limit = torch.tensor(budget.per_row, dtype=torch.int64, device=dev)[:, None]
+    limit = budget.row_shares(dev)[:, None]
     if sel.threshold < 1.0:
         ranked = v.gather(-1, order).clamp(min=0.0)
         reached = ranked.cumsum(-1) < sel.threshold * ranked.sum(-1, keepdim=True)

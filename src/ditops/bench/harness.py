@@ -31,6 +31,7 @@ from typing import Any, TextIO
 import torch
 
 from ditops._version import __version__
+from ditops.core.checks import positive_seconds
 
 
 @dataclass
@@ -426,7 +427,7 @@ def case_suite_parser(prog: str, sizes: Iterable[str]) -> argparse.ArgumentParse
     parser.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--json", default=None, metavar="PATH")
-    parser.add_argument("--min-seconds", type=float, default=0.5)
+    parser.add_argument("--min-seconds", type=positive_seconds, default=0.5)
     parser.add_argument("--no-progress", action="store_true")
     return parser
 

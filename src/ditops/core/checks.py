@@ -7,7 +7,10 @@ normalised (a float, an int), so a ``prepare`` reads as one line per argument.
 
 from __future__ import annotations
 
+import argparse
+import math
 import numbers
+import operator
 from collections.abc import Iterable
 
 import torch
@@ -44,13 +47,45 @@ def check_tensor(
     return value
 
 
+def as_int(value: object) -> int | None:
+    """``value`` as a Python int when it is an integer of any type (``int``, numpy's,
+    a 0-d integer tensor: what ``operator.index`` takes), else None; a bool is not one."""
+    if type(value) is int:
+        return value
+    if isinstance(value, bool) or (hasattr(value, "dtype") and "bool" in str(value.dtype)):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def as_real(value: object) -> float | None:
+    """``value`` as a Python float when it is a real number (an integer as :func:`as_int`
+    takes it, or a ``numbers.Real``: float, numpy's) that a float holds exactly, else
+    None; a bool is not one."""
+    if type(value) is float:
+        return value
+    number = as_int(value)
+    if number is not None:
+        result = float(number)
+        return result if int(result) == number else None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        return None
+    result = float(value)
+    if not math.isnan(result) and result != value:
+        return None  # not exactly a float (a Fraction such as 1/3)
+    return result
+
+
 def check_eps(op: str, eps: object) -> float:
     """A real number (not a bool), as a float."""
     if type(eps) is float:  # the common case, before the slower abstract-class check
         return eps
-    if isinstance(eps, bool) or not isinstance(eps, numbers.Real):
+    value = as_real(eps)
+    if value is None:
         raise TypeError(f"{op}: eps must be a real number, got {type(eps).__name__}")
-    return float(eps)
+    return value
 
 
 def check_flag(op: str, name: str, value: object) -> bool:
@@ -60,11 +95,12 @@ def check_flag(op: str, name: str, value: object) -> bool:
 
 
 def check_int(op: str, name: str, value: object, minimum: int = 1) -> int:
-    """An int (not a bool) of at least ``minimum``."""
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+    """An int (not a bool; numpy's too: :func:`as_int`) of at least ``minimum``."""
+    number = as_int(value)
+    if number is None or number < minimum:
         what = "a positive int" if minimum == 1 else f"an int >= {minimum}"
         raise ValueError(f"{op}: {name} must be {what}, got {value!r}")
-    return value
+    return number
 
 
 def check_number(
@@ -77,15 +113,13 @@ def check_number(
     closed_low: bool = False,
 ) -> float:
     """A real number (not a bool) in ``(low, high]`` (``[low, high]`` with ``closed_low``)."""
-    ok = isinstance(value, numbers.Real) and not isinstance(value, bool)
-    if ok:
-        v = float(value)  # type: ignore[arg-type]
-        ok = (v >= low if closed_low else v > low) and (high is None or v <= high)
+    v = as_real(value)
+    ok = v is not None and (v >= low if closed_low else v > low) and (high is None or v <= high)
     if not ok:
         lo = "[" if closed_low else "("
         hi = "inf)" if high is None else f"{high}]"
         raise ValueError(f"{op}: {name} must be a number in {lo}{low}, {hi}, got {value!r}")
-    return float(value)  # type: ignore[arg-type]
+    return v  # type: ignore[return-value]
 
 
 def check_choice(op: str, name: str, value: object, choices: Iterable[object]) -> object:
@@ -99,4 +133,16 @@ def check_precision(value: object, owner: str = "precision") -> str | None:
     """``"fast"``, ``"exact"`` or None (follow the settings)."""
     if value is not None and (not isinstance(value, str) or value not in PRECISIONS):
         raise ValueError(f"{owner} must be 'fast', 'exact' or None, got {value!r}")
+    return value
+
+
+def positive_seconds(text: str) -> float:
+    """argparse type of ``--min-seconds``: a positive finite number of seconds (a bad
+    value exits 2 with argparse's message before anything runs)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value

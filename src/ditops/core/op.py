@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ditops import config
-from ditops.core import registry
+from ditops.core import registry, tune
 from ditops.core.calls import Args, OpCall, invoke
 from ditops.core.checks import check_precision, dtype_name
 from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec, runner
@@ -89,6 +89,8 @@ class _Plan:
     paths: tuple[tuple[PathSpec, Callable[[CustomOp, OpCall], Any]], ...]  # usable, in order
     exact: bool
     decision: Decision
+    # What DITOPS_TUNE times against each other (paths, then the meaning), when it may.
+    competitors: tuple[str, ...] = ()
 
 
 class CustomOp(nn.Module):
@@ -103,6 +105,9 @@ class CustomOp(nn.Module):
     #: the output as the meaning propagates them, where fast kernels may not (attention
     #: kernels turn a NaN query row into zeros). See the module docstring.
     non_finite_inputs: ClassVar[tuple[int | str, ...]] = ()
+    #: Whether the meaning competes when paths are timed (:mod:`ditops.core.tune`); an op
+    #: whose meaning is a memory-bounded oracle, never a contender, says False.
+    meaning_competes: ClassVar[bool] = True
     _precision: str | None = None
     _answers_early: ClassVar[bool] = False
     _refuses: ClassVar[bool] = False
@@ -224,18 +229,29 @@ class CustomOp(nn.Module):
         if traced():
             return run_traced(self, kind, call, precision or self._precision)
         plan = self._plan(kind, precision or self._precision)
+        if plan.competitors:  # DITOPS_TUNE: the class's measured winner, or time them now
+            out = tune.dispatch(self, kind, plan, call, tensors)
+            if out is not tune.STATIC:
+                return out
         for spec, fn in plan.paths:
             if self._call_reasons(spec, kind, call, tensors):
                 continue
             call.exact = plan.exact
-            try:
-                out = fn(self, call)
-            except Exception as exc:  # noqa: BLE001 - classified: caller's error or backend's
-                return self._after_failure(kind, spec, exc, call)
-            if kind != "cpu" and self.non_finite_inputs and not spec.propagates_non_finite:
-                return self.mend_non_finite(call, out)
-            return out
+            return self._run_path(kind, spec, fn, call)
         return invoke(type(self)._native, self, call)  # type: ignore[arg-type]
+
+    def _run_path(
+        self, kind: str, spec: PathSpec, fn: Callable[[CustomOp, OpCall], Any], call: OpCall
+    ) -> Any:
+        """Run one usable path on a call: the meaning if it raises (:meth:`_after_failure`),
+        the non-finite mend on accelerators."""
+        try:
+            out = fn(self, call)
+        except Exception as exc:  # noqa: BLE001 - classified: caller's error or backend's
+            return self._after_failure(kind, spec, exc, call)
+        if kind != "cpu" and self.non_finite_inputs and not spec.propagates_non_finite:
+            return self.mend_non_finite(call, out)
+        return out
 
     @staticmethod
     def _kind(call: OpCall) -> str:
@@ -336,7 +352,7 @@ class CustomOp(nn.Module):
         # Keyed by the settings' values, not their version: a block under
         # config.override(...) with the same values reuses the plans. The selection by its
         # text (it is parsed from it): a str hashes once, a dataclass on every call.
-        key = (kind, precision, cfg.custom_ops.text, cfg.strict, STATE.version)
+        key = (kind, precision, cfg.custom_ops.text, cfg.strict, cfg.tune, STATE.version)
         plan = cls._plans.get(key)
         if plan is None:
             plan = cls._plans[key] = cls._make_plan(kind, precision, cfg)
@@ -364,7 +380,9 @@ class CustomOp(nn.Module):
         decision = Decision(cls.op_name, kind, precision, chosen, candidates)
         unpack = cls.prepare is CustomOp.prepare  # no record type: the arguments as given
         routes = tuple((spec, runner(cls, spec, unpack)) for spec in usable)
-        return _Plan(routes, precision == "exact", decision)
+        names = tuple(s.name for s in usable) + ((NATIVE,) if cls.meaning_competes else ())
+        competitors = names if cfg.tune != "off" and len(names) > 1 else ()
+        return _Plan(routes, precision == "exact", decision, competitors)
 
     @classmethod
     def _static_reasons(
@@ -399,7 +417,8 @@ class CustomOp(nn.Module):
     def explain_prepared(self, call: OpCall, precision: str | None = None) -> Decision:
         """:meth:`explain_call` for a prepared call (``precision``: as :meth:`run`)."""
         kind = self._kind(call)
-        base = self._plan(kind, precision or self._precision).decision
+        plan = self._plan(kind, precision or self._precision)
+        base = plan.decision
         candidates: list[PathReport] = []
         chosen = NATIVE
         for report in base.candidates:
@@ -410,4 +429,9 @@ class CustomOp(nn.Module):
             candidates.append(PathReport(report.path, reasons, report.accepts))
             if not reasons and chosen == NATIVE:
                 chosen = report.path
+        tuned = tune.recorded(self, kind, plan, call) if plan.competitors else None
+        if tuned is not None and (
+            tuned.winner == NATIVE or any(c.path == tuned.winner and c.usable for c in candidates)
+        ):
+            return Decision(base.op, kind, base.precision, tuned.winner, candidates, tuned.why())
         return Decision(base.op, kind, base.precision, chosen, candidates)

@@ -163,6 +163,9 @@ class Decision:
     precision: str
     chosen: str
     candidates: list[PathReport]
+    #: Set when a measured choice (DITOPS_TUNE) picked ``chosen`` for this call's shape
+    #: class: the times that chose it.
+    tuned: str = ""
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -180,4 +183,5 @@ class Decision:
                 }
                 for c in self.candidates
             ],
+            "tuned": self.tuned,
         }

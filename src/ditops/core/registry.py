@@ -47,7 +47,8 @@ def registered_ops() -> dict[str, type[CustomOp]]:
 
 
 def reset_state() -> None:
-    """Forget backend probes, run-time failures, warnings given and cached plans.
+    """Forget backend probes, run-time failures, warnings given, cached plans and tuned
+    choices held in memory.
 
     For tests that install or remove (fake) packages within one process.
     """
@@ -59,6 +60,9 @@ def reset_state() -> None:
         backend.reset()
     for cls in _registry.values():
         cls._plans = {}
+    from ditops.core import tune  # here: tune imports config, which imports this module
+
+    tune.forget()
 
 
 def finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:

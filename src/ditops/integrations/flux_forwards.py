@@ -15,7 +15,7 @@ from torch import nn
 
 from ditops.integrations.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass
+from ditops.integrations.guard import Bypass, float64_call
 
 #: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
 FP16_MAX = 65504.0
@@ -152,6 +152,7 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     ) -> Any:
         if (
             self.ops is None
+            or float64_call(hidden_states)  # cast after the patch: FLUX's own code
             or image_rotary_emb is None
             or image_rotary_emb[0].dim() != 2
             or _prologue_bypass(attn).problem(attn) is not None

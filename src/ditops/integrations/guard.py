@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
@@ -33,9 +34,21 @@ logger = logging.getLogger("ditops")
 # --- replacing a forward under whatever wraps it --------------------------------------------
 
 
+def own_forward_left(module: nn.Module, forward: Any) -> bool:
+    """Whether ``forward`` (found on the instance) is the module's class forward bound to
+    the module itself: what diffusers' ``HookRegistry.remove_hook`` leaves on the instance
+    when the last hook goes (``enable_cache`` then ``disable_cache``). That is no wrapper
+    and no hook: calling it is calling the module."""
+    return (
+        getattr(forward, "__self__", None) is module
+        and getattr(forward, "__func__", None) is type(module).forward
+    )
+
+
 def forward_wrapper_problem(module: nn.Module, where: str) -> str | None:
     """Why the forward of ``module`` cannot be replaced under its wrappers, or None."""
-    if not _innermost_slot(module) and "forward" in vars(module):
+    own = vars(module).get("forward")
+    if not _innermost_slot(module) and own is not None and not own_forward_left(module, own):
         wrapper = vars(module)["forward"]
         return (
             f"{where}.forward is replaced by something ditops does not know "
@@ -93,8 +106,12 @@ def attached_to(module: nn.Module) -> str | None:
     if hf_hook is not None:
         return f"an accelerate hook ({type(hf_hook).__name__})"
     forward = own.get("forward")
-    if forward is not None and getattr(forward, "func", None) is not guarded_forward:
-        return "a forward replaced on the instance"  # (ditops' own is a guarded_forward)
+    if (
+        forward is not None
+        and getattr(forward, "func", None) is not guarded_forward  # (ditops' own)
+        and not own_forward_left(module, forward)
+    ):
+        return "a forward replaced on the instance"
     return None
 
 
@@ -152,12 +169,32 @@ def guarded_forward(
 
     Installed as ``functools.partial(guarded_forward, module, bypass, fused, ops)``.
     """
-    reason = bypass.problem(module)
+    hidden = kwargs.get("hidden_states", args[0] if args else None)
+    reason = FLOAT64 if float64_call(hidden) else bypass.problem(module)
     if reason is None:
         return fused(module, ops, *args, **kwargs)
     if not traced():
         note_unfused(module, reason)
     return type(module).forward(module, *args, **kwargs)
+
+
+#: Why a float64 call runs diffusers' own code (a model cast to float64 after its patch:
+#: ``patch`` refuses float64 models, see ``patching._refuse_float64``).
+FLOAT64 = (
+    "a float64 call runs diffusers' own code: ditops' fused ops and sparse attention take "
+    "float32, bfloat16 and float16"
+)
+_float64_said: list[bool] = []
+
+
+def float64_call(hidden_states: object) -> bool:
+    """Whether a call brings float64 activations; says so once (WARNING, ``ditops``)."""
+    if not (isinstance(hidden_states, torch.Tensor) and hidden_states.dtype == torch.float64):
+        return False
+    if not _float64_said and not traced():
+        _float64_said.append(True)
+        logger.warning("ditops: %s", FLOAT64)
+    return True
 
 
 def note_unfused(module: nn.Module, reason: str) -> None:

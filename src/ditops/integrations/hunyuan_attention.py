@@ -27,7 +27,9 @@ Sparse steps (``attention=BlockSparseConfig(...)``) split the attention by queri
   block that straddles the two, and as many leading query block rows, run dense too: a
   superset of what is asked, counted in the density). Softmax does not depend on the
   order of the keys, so this is the meaning of the joint attention with the video part
-  block-sparse. Each sample's mask is kept for reuse under its own branch name.
+  block-sparse. Each sample's mask is kept for reuse under its own branch name. A
+  sample whose left-out text keys or values are not finite (a fully padded sample's text
+  is NaN) runs dense with the mask instead: the meaning takes NaN from them.
 
 Calls this was not written for (no rotary tables, tables other than ``[L, D]``, a mask
 other than the model's key mask on a sparse step) run the original processor or dense.
@@ -44,8 +46,9 @@ from torch import nn
 
 from ditops.integrations.adaln_zero import AdaLNOps
 from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass
+from ditops.integrations.guard import Bypass, float64_call
 from ditops.integrations.steps import StepState, runs_dense
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 class HunyuanOps(AdaLNOps):
@@ -160,10 +163,18 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
+        if self.sparse is not None and traced():
+            refuse_under_fullgraph(
+                "ditops: HunyuanVideo's sparse attention cannot compile with fullgraph=True: "
+                "it reads each sample's text mask on the host (which text keys are padded), "
+                "a graph break. Compile with fullgraph=False, or patch without attention= "
+                "for a fullgraph compile."
+            )
         dense = self._dense_now()
         ops = self._ops_now(attn)
         if (
-            encoder_hidden_states is None
+            float64_call(hidden_states)  # cast after the patch: the meaning, dense
+            or encoder_hidden_states is None
             or image_rotary_emb is None
             or image_rotary_emb[0].dim() != 2
             or (ops is None and dense)
@@ -280,8 +291,21 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         )
         frame = self._frame_tokens()
         block = self.sparse.config.block_size
+        poisoned = _padding_not_finite(key, value, keep, video)
         outs = []
         for b in range(batch):
+            if poisoned[b]:  # the meaning takes 0 * NaN from them: dense, with the key mask
+                kept = torch.cat([keep.new_ones(video), keep[b]]).view(1, 1, 1, n)
+                outs.append(
+                    dispatch_attention_fn(
+                        query[b : b + 1, :video],
+                        key[b : b + 1],
+                        value[b : b + 1],
+                        attn_mask=kept,
+                        backend=self._attention_backend,
+                    )
+                )
+                continue
             keys, values = (
                 torch.cat([t[b : b + 1, video:][:, keep[b]], t[b : b + 1, :video]], dim=1)
                 for t in (key, value)
@@ -325,6 +349,20 @@ class HunyuanVideo15AttnProcessor(HunyuanVideoAttnProcessor):
         )
 
         return HunyuanVideo15AttnProcessor2_0()
+
+
+def _padding_not_finite(
+    key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, video: int
+) -> list[bool]:
+    """Per sample: whether a text key the mask leaves out has a non-finite key or value.
+
+    The sparse path leaves those keys out; the meaning (attention with the key mask)
+    multiplies their values by 0 and adds -inf to their scores, which gives NaN from a
+    NaN or an inf (a fully padded sample's text embedding is NaN). One host read per call
+    (the sparse path reads the mask on the host anyway)."""
+    finite = torch.isfinite(key[:, video:]).flatten(2).all(-1)
+    finite &= torch.isfinite(value[:, video:]).flatten(2).all(-1)
+    return [bool(b) for b in (~finite & ~keep).any(-1).tolist()]
 
 
 def _self_attention_mask(text_mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:

@@ -7,14 +7,15 @@ ditops' :class:`~ditops.layers.norm.FP32LayerNorm` in place (see :func:`swap_nor
 
 from __future__ import annotations
 
+import types
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.base import ClassSwap, PatchError, PatchOptions, PatchRecord
-from ditops.integrations.guard import attached_to
+from ditops.integrations.base import AttrSet, ClassSwap, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.guard import attached_to, own_forward_left
 from ditops.layers.norm import FP32LayerNorm
 
 
@@ -59,9 +60,14 @@ def swap_norms(model: nn.Module, record: PatchRecord, precision: str | None) -> 
         if what is not None and "torch forward hook" not in what:
             record.count("norms kept (hooked)")
             continue
+        # A removed hook leaves the class's forward bound on the instance (own_forward_left)
+        left = own_forward_left(module, vars(module).get("forward"))
         change = ClassSwap(module, type(module), new, precision)
         change.redo()
         record.add(change)
+        if left:
+            # bind the new class's forward there instead, or the swap would not run
+            record.add(AttrSet.apply(module, "forward", types.MethodType(new.forward, module)))
         record.count("norms")
 
 

@@ -18,6 +18,7 @@ import logging
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
@@ -26,6 +27,7 @@ from ditops.integrations.flux import FluxFamily
 from ditops.integrations.hunyuan_video import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video15 import HunyuanVideo15Family
 from ditops.integrations.norms import GenericFamily
+from ditops.integrations.steps import StepState
 from ditops.integrations.wan import WanFamily
 
 logger = logging.getLogger("ditops")
@@ -107,6 +109,38 @@ def family_of(model: nn.Module) -> ModelFamily:
     return next(f for f in FAMILIES if f.recognise(model))
 
 
+def _keep_hand_set_step(model: nn.Module, undone: list[PatchRecord]) -> None:
+    """A step set by hand (``set_step``) before a re-patch holds after it, as the other
+    options left out do: the new step state takes it from the one the old patch set."""
+    new = vars(model).get("_ditops_steps")
+    if new is None:
+        return
+    for record in undone:
+        for change in record.changes:
+            old = getattr(change, "value", None)
+            if getattr(change, "obj", None) is model and isinstance(old, StepState):
+                new.manual = old.manual
+
+
+def _refuse_float64(model: nn.Module, family: ModelFamily, options: PatchOptions) -> None:
+    """Refuse a float64 model where ditops would fuse blocks or run sparse attention.
+
+    In float64 the fused blocks are not bitwise diffusers' arithmetic (diffusers rotates
+    q/k in fp32, the ops in the input dtype), and the mask estimate takes no float64:
+    refused here rather than a silent difference, or a TypeError at the first sparse step.
+    The generic family (norms only) computes as the FP32LayerNorm it replaces.
+    """
+    fuses = family.name != "generic" and (options.norms or options.attention is not None)
+    if fuses and any(p.dtype == torch.float64 for p in model.parameters()):
+        raise PatchError(
+            f"ditops.patch refuses this {type(model).__name__}: it is float64; nothing was "
+            "changed. ditops' fused blocks and sparse attention take float32, bfloat16 and "
+            "float16 (in float64 the fused arithmetic would not be bitwise diffusers', and "
+            "the mask estimate takes no float64): patch the model in one of those dtypes, "
+            "or run it unpatched (patch(..., norms=False, attention=None) changes nothing)"
+        )
+
+
 def patch(
     target: Any,
     *,
@@ -156,6 +190,7 @@ def patch(
                 existing.undo()
                 undone.append(existing)
             family = family_of(model)
+            _refuse_float64(model, family, options)
             todo.append((name, model, family, family.check(model, options), options))
         done: list[tuple[nn.Module, PatchRecord]] = []
         try:
@@ -164,6 +199,7 @@ def patch(
                 done.append((model, record))
                 family.apply(model, plan, record, options)
                 report[name], unfused[name] = dict(record.summary), dict(record.unfused)
+                _keep_hand_set_step(model, undone)
         except BaseException:
             for _, record in reversed(done):
                 record.undo()

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass
+from ditops.integrations.guard import Bypass, float64_call
 from ditops.integrations.parallel import (
     attend_across_ranks,
     check_method_per_rank,
@@ -102,6 +102,10 @@ class WanSelfAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
+        if float64_call(hidden_states):  # cast after the patch: the meaning, dense
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, rotary_emb
+            )
         cp = context_parallel_of(self._parallel_config)
         dense = self._dense_now()
         # ditops' exchange runs dense steps too when sparse steps run under Ring.

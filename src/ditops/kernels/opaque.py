@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ditops.backends.inductor_cpu import warn_if_known_to_fail
 from ditops.tracing import traced
 
 
@@ -33,6 +34,9 @@ def opaque_op(name: str) -> Callable[[Callable[..., Any]], Any]:
         @functools.wraps(fn)
         def call(*args: Any, **kwargs: Any) -> Any:
             if traced():
+                first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+                if first is not None:
+                    warn_if_known_to_fail(first.device.type, first.dtype == torch.bfloat16)
                 return op(*args, **kwargs)
             return fn(*args, **kwargs)
 

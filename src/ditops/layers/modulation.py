@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from ditops.core.checks import check_precision
+from ditops.core.checks import as_int, check_eps, check_precision
 from ditops.core.op import CustomOp
 from ditops.ops.modulation_args import ModulationArg
 from ditops.ops.modulation_fp32 import (
@@ -45,16 +45,21 @@ class _NormParams(nn.Module):
     ) -> None:
         super().__init__()
         check_precision(precision)
-        shape = (
-            (normalized_shape,) if isinstance(normalized_shape, int) else tuple(normalized_shape)
-        )
-        if len(shape) != 1:
+        name = type(self).__name__
+        single = as_int(normalized_shape)
+        if single is not None:
+            shape: tuple[int, ...] = (single,)
+        elif isinstance(normalized_shape, (list, tuple, torch.Size)):
+            shape = tuple(as_int(c) for c in normalized_shape)  # type: ignore[misc]
+        else:
+            shape = ()
+        if len(shape) != 1 or shape[0] is None or shape[0] < 1:
             raise ValueError(
-                f"{type(self).__name__} normalises the last dim only; normalized_shape must be "
-                f"one int C, got {shape}"
+                f"{name} normalises the last dim only; normalized_shape must be one int "
+                f"C >= 1 (or [C]), got {normalized_shape!r}"
             )
         self.normalized_shape = shape
-        self.eps = eps
+        self.eps = check_eps(name, eps)
         self.elementwise_affine = elementwise_affine
         kw = {"device": device, "dtype": dtype}
         if elementwise_affine:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ditops.core.checks import check_choice
+from ditops.core.checks import as_int, check_choice, check_eps
 from ditops.layers.op_layer import OpLayer
 from ditops.ops.qk_norm_rope import rms_norm
 from ditops.ops.qk_norm_rope_args import CONVENTIONS, NormCall
@@ -39,8 +39,11 @@ class RMSNorm(OpLayer, nn.Module):
     ) -> None:
         super().__init__()
         self.precision = precision
-        self.dim = int(dim)
-        self.eps = eps
+        size = as_int(dim)
+        if size is None or size < 1:
+            raise ValueError(f"RMSNorm: dim must be an int >= 1, got {dim!r}")
+        self.dim = size
+        self.eps = None if eps is None else check_eps("RMSNorm", eps)
         self.convention = str(check_choice("RMSNorm", "convention", convention, CONVENTIONS))
         self.elementwise_affine = elementwise_affine
         if elementwise_affine:

@@ -24,10 +24,11 @@ from ditops.attention.block_mask import MaskDensity, density_stats
 from ditops.attention.layout import to_bnsd
 from ditops.attention.permute import TokenPermutation, choose_heads, cluster_permutation
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
+from ditops.core.checks import as_int
 from ditops.ops.attention_args import check_layout, from_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
-from ditops.tracing import traced
+from ditops.tracing import refuse_under_fullgraph, traced
 
 
 def dense_attention(
@@ -100,9 +101,10 @@ class BlockSparseAttention(nn.Module):
                 f"(got config and {sorted(fields)})"
             )
         self.config = config if config is not None else BlockSparseConfig(**fields)
-        if isinstance(dense_blocks, bool) or not isinstance(dense_blocks, int) or dense_blocks < 0:
+        blocks = as_int(dense_blocks)
+        if blocks is None or blocks < 0:
             raise ValueError(f"dense_blocks must be an int >= 0, got {dense_blocks!r}")
-        self.dense_blocks = dense_blocks
+        self.dense_blocks = blocks
         self.step: int | None = None
         self._last_run: tuple[torch.Tensor, int, int] | None = None
         #: The permuted mode's last permutation (eager calls): tests and benches read it.
@@ -113,8 +115,11 @@ class BlockSparseAttention(nn.Module):
             _eager_kept_or_new_mask()  # made now, before any torch.compile trace
 
     def set_step(self, step: int | None) -> None:
-        """The denoising step index of the next calls (``None``: unknown)."""
-        self.step = step
+        """The denoising step index of the next calls (``None``: unknown); an int >= 0."""
+        number = None if step is None else as_int(step)
+        if step is not None and (number is None or number < 0):
+            raise ValueError(f"set_step: step must be an int >= 0 or None, got {step!r}")
+        self.step = number
 
     def set_video_shape(self, latent_shape: Sequence[int], patch_size: int | Sequence[int]) -> None:
         """Keep the first frame dense: ``ceil(frame_tokens / block_size)`` blocks."""
@@ -168,6 +173,7 @@ class BlockSparseAttention(nn.Module):
         mask is reused; ``dense_blocks`` overrides the layer's for this call (a
         caller serving several videos at once passes each its own)."""
         cfg = self.config
+        self.check_fullgraph()
         step = self.step if step is None else step
         if cfg.dense_at(step):
             if not traced():
@@ -193,6 +199,14 @@ class BlockSparseAttention(nn.Module):
             causal=cfg.causal,
             block_size=cfg.block_size,
         )
+
+    def check_fullgraph(self) -> None:
+        """Under a ``torch.compile(..., fullgraph=True)`` trace, refuse mask reuse
+        (``estimate_every > 1``: its bookkeeping runs eagerly, a graph break) with an
+        error that says what to change. Callers that decide dense or sparse themselves
+        (the model integrations) call it on every step, so a dense step refuses too."""
+        if self.config.estimate_every > 1 and traced():
+            refuse_under_fullgraph(_reuse_breaks_the_graph(self.config.estimate_every))
 
     def _permutation(
         self,
@@ -364,6 +378,16 @@ class BlockSparseAttention(nn.Module):
 _EAGER_KEPT_OR_NEW: Any = None
 
 
+def _reuse_breaks_the_graph(every: int | None) -> str:
+    asked = "estimate_every > 1" if every is None else f"estimate_every={every}"
+    return (
+        f"ditops: sparse attention with mask reuse (BlockSparseConfig({asked})) "
+        "cannot compile with fullgraph=True: the masks kept between steps are Python state "
+        "that runs eagerly (a graph break around each estimate). Set estimate_every=1, or "
+        "compile with fullgraph=False."
+    )
+
+
 def _eager_kept_or_new_mask() -> Any:
     """``BlockSparseAttention._kept_or_new_mask`` under ``torch.compiler.disable``.
 
@@ -376,7 +400,9 @@ def _eager_kept_or_new_mask() -> Any:
     """
     global _EAGER_KEPT_OR_NEW
     if _EAGER_KEPT_OR_NEW is None:
-        _EAGER_KEPT_OR_NEW = torch.compiler.disable(BlockSparseAttention._kept_or_new_mask)
+        _EAGER_KEPT_OR_NEW = torch.compiler.disable(
+            BlockSparseAttention._kept_or_new_mask, reason=_reuse_breaks_the_graph(None)
+        )
     return _EAGER_KEPT_OR_NEW
 
 

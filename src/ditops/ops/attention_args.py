@@ -43,6 +43,11 @@ def check_heads(op: str, q: torch.Tensor, k: torch.Tensor) -> None:
     """q/k as BNSD views: same batch and head dim, query heads a multiple of key heads."""
     if q.shape[0] != k.shape[0]:
         raise ValueError(f"{op}: batch sizes differ: q {q.shape[0]}, k {k.shape[0]}")
+    if min(q.shape[1], k.shape[1], q.shape[3]) < 1:  # (the scale D ** -0.5 needs D >= 1)
+        raise ValueError(
+            f"{op}: heads and head dim must be >= 1, got q heads {q.shape[1]}, k heads "
+            f"{k.shape[1]}, head dim {q.shape[3]}"
+        )
     if q.shape[1] % k.shape[1]:
         raise ValueError(
             f"{op}: query heads ({q.shape[1]}) must be a multiple of key heads ({k.shape[1]})"

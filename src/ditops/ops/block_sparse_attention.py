@@ -1,9 +1,10 @@
 """``block_sparse_attention(q, k, v, mask, counts, ...)``: softmax over the selected key blocks.
 
 Meaning (``forward_native``): :func:`ditops.attention.reference.block_sparse_attention_reference`
-(fp32, memory-bounded). Paths: ``cpu`` runs compiled FlexAttention for bf16 on CPUs with
-AMX and long sequences (:func:`cpu_flex_reasons`), else gathers the selected key
-blocks and runs SDPA on them (no compile: :mod:`ditops.kernels.cpu.block_sparse_attention`);
+(fp32, memory-bounded). Paths: ``cpu`` runs compiled FlexAttention for bf16 on long
+sequences where it is measured faster (:func:`cpu_flex_reasons`: ``DITOPS_TUNE``), else
+gathers the selected key blocks and runs SDPA on them (no compile:
+:mod:`ditops.kernels.cpu.block_sparse_attention`);
 ``cuda``/``hip`` through compiled FlexAttention; ``npu`` through sgl-kernel-npu's
 ``ada_block_sparse_attention`` (:mod:`ditops.ops.attention_npu`: its limits are that
 path's reasons). Other devices run native.
@@ -46,6 +47,7 @@ from ditops.attention.layout import to_bnsd
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.backends.inductor_cpu import INDUCTOR_CPU, amx_tiles
 from ditops.backends.triton import TRITON
+from ditops.core import tune
 from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_flag
 from ditops.core.op import CustomOp, register_op
@@ -122,17 +124,26 @@ def _blocks_with_non_finite(t: torch.Tensor, block_size: int, blocks: int) -> to
 def cpu_flex_reasons(c: AttentionCall) -> list[str]:
     """Why compiled FlexAttention does not serve this CPU call (the gathered path does).
 
-    Measured on a 2-core Xeon with AMX, bf16 ``[1, 12, 8064, 128]`` on the estimator's
-    masks (``benchmarks/cpu/probes/sparse_kernel_wan.txt``): FlexAttention 2.0x dense
-    SDPA at keep 0.25 and 1.4x at keep 0.5, the gathered path 1.2x and 0.8x; in fp32 the
-    gathered path wins (2.4x vs 1.6x), and on an AVX2 CPU without AMX too (2.5x vs 1.5x,
-    ``sparse_attention_cpu.txt``).
+    Which of the two is faster depends on the CPU, so with ``DITOPS_TUNE=on`` the tuner
+    times both on the first call of each shape class (:mod:`ditops.core.tune`; the
+    compile, seconds, is part of that first call) and keeps the faster. Without a
+    measurement a static rule stands in, written from these: bf16 ``[1, 12, 8064, 128]``
+    on the estimator's masks, keep 0.25, FlexAttention against the gathered path: 2.0x vs
+    1.2x dense SDPA on a 2-core Xeon with AMX (``benchmarks/cpu/probes/sparse_kernel_wan.txt``),
+    2.46x vs 1.47x on an AVX-512 EPYC with AVX-512-BF16 and no AMX
+    (``benchmarks/cpu/sparse_tuned.txt``), 1.5x vs 2.5x on an AVX2 EPYC
+    (``sparse_attention_cpu.txt``). Short sequences never take it, tuned or not: a
+    compile per shape (seconds) pays off on video-length sequences only, and the tuner
+    compiles nothing for them.
     """
     if traced():  # first: nothing below is traced
         return ["inside torch.compile the gathered path (one opaque op) is traced"]
     reasons = []
-    if not amx_tiles():
-        reasons.append("no AMX on this CPU: the gathered-SDPA path is faster here")
+    if not tune.deciding() and not (amx_tiles() or "avx512_bf16" in tune.cpu_flags()):
+        reasons.append(
+            "no AMX or AVX-512-BF16 on this CPU: the gathered-SDPA path is faster here "
+            "(a static rule; DITOPS_TUNE=on measures instead)"
+        )
     q_len = int(c.qb.shape[2])
     if q_len < CPU_FLEX_MIN_TOKENS:
         reasons.append(
@@ -149,6 +160,9 @@ class BlockSparseAttentionOp(CustomOp):
     # FlexAttention turns a NaN query row into zeros and ignores an inf key; the meaning
     # gives NaN as dense SDPA does. See the module docstring.
     non_finite_inputs = ("q", "k", "v")
+    # The meaning is an fp32, memory-bounded oracle (seconds at video lengths): the tuner
+    # times the paths against each other, never against it.
+    meaning_competes = False
 
     def prepare(  # type: ignore[override]
         self,
@@ -253,7 +267,7 @@ class BlockSparseAttentionOp(CustomOp):
         )
         return from_bnsd(out, c.layout)
 
-    # Tried first on CPU: bf16 with AMX tiles, long sequences (cpu_flex_reasons). Not fp16:
+    # On CPU: bf16, long sequences, measured or ruled faster (cpu_flex_reasons). Not fp16:
     # without AMX-FP16 (newer Xeons only) flex ran 0.82x dense there, gathered 2.49x.
     @path("cpu", backend=INDUCTOR_CPU, dtypes=(torch.bfloat16,), inference_only=True,
           reasons=cpu_flex_reasons)  # fmt: skip

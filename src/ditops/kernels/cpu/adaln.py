@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
 from ditops.kernels.cpu.modulation import rows_per_block
 from ditops.kernels.opaque import opaque_op
@@ -80,8 +81,9 @@ def _modulate_exact(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: 
     B, L, C = x.shape
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     mods = {**_one_plus(scale, L), "shift": shift}
-    for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
-        _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
+    with blocks.kernel_threads():
+        for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
+            _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
     return out
 
 
@@ -102,11 +104,13 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
         return F.layer_norm(x, (C,), w, bb, eps)
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
-    for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), {"scale": scale, "shift": shift}):
-        if (b, g) not in params:
-            params[(b, g)] = _folded(rows["scale"], rows["shift"])
-        w, bb = params[(b, g)]
-        out[b, l0:l1].copy_(F.layer_norm(x[b, l0:l1], (C,), w, bb, eps))
+    mods = {"scale": scale, "shift": shift}
+    with blocks.kernel_threads():
+        for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
+            if (b, g) not in params:
+                params[(b, g)] = _folded(rows["scale"], rows["shift"])
+            w, bb = params[(b, g)]
+            out[b, l0:l1].copy_(F.layer_norm(x[b, l0:l1], (C,), w, bb, eps))
     return out
 
 
@@ -139,6 +143,7 @@ def _(x, scale, shift, eps, exact):
 
 
 @opaque_op("ditops::cpu_adaln_residual")
+@blocks.threaded
 def residual(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     """``residual + gate * x`` in their dtype for [B, L, C] tensors (``gate`` None: no
     gating); eager's bits in both modes."""
@@ -161,6 +166,7 @@ def _(residual, x, gate):
 
 
 @opaque_op("ditops::cpu_adaln_residual_modulate")
+@blocks.threaded
 def residual_modulate(
     residual: Tensor,
     x: Tensor,

@@ -33,10 +33,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import inspect
 import mmap
+import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
 
 import torch
 
@@ -160,6 +163,82 @@ def layer_norm_rows(
     return work
 
 
+# --- the kernels' intra-op threads ---------------------------------------------------------
+
+#: Intra-op threads the blocked kernels run with (None: the process's). See
+#: :func:`kernel_threads`.
+THREADS: int | None = 1
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+@functools.cache
+def _omp() -> Any:
+    """torch's own OpenMP runtime (its ``lib/libgomp.so.1``), or None (another build)."""
+    path = os.path.join(os.path.dirname(torch.__file__), "lib", "libgomp.so.1")
+    if not os.path.exists(path):
+        return None
+    try:
+        lib = ctypes.CDLL(path)
+        lib.omp_set_num_threads.argtypes = [ctypes.c_int]
+        lib.omp_get_max_threads.restype = ctypes.c_int
+    except (OSError, AttributeError):
+        return None
+    return lib
+
+
+@contextlib.contextmanager
+def kernel_threads(n: int | None = None) -> Iterator[None]:
+    """The calling thread's intra-op threads set to ``n`` (default :data:`THREADS`) inside
+    the block, restored after; other threads are not affected.
+
+    Why one thread: a blocked kernel is a chain of small ATen calls, each an OpenMP
+    parallel region ending in a barrier. On a machine whose cores are shared (another
+    process busy), each barrier waits for a descheduled worker, a scheduler slice at
+    worst, dozens of times per call. Measured on a 2-core EPYC at load 10-12
+    (``benchmarks/cpu/busy_neighbour.txt``): with two threads the exact kernels ran at
+    0.1-0.6x their meaning, with one at 2.4-8x (Wan's chain) and 1.2-3.5x (FLUX's). The
+    kernels move each byte once, so one thread keeps most of their gain on a quiet
+    machine too; on a many-core machine where one thread loses to the meaning's parallel
+    passes, ``DITOPS_TUNE`` runs the meaning. Set per thread through torch's OpenMP
+    runtime (``omp_set_num_threads`` sets the calling thread's value), not
+    ``torch.set_num_threads``, which also changes the default of threads started later.
+    Where that runtime is not found, nothing changes.
+    """
+    n = THREADS if n is None else n
+    lib = _omp() if n is not None else None
+    if lib is None:
+        yield
+        return
+    torch.get_num_threads()  # torch sets a thread's OpenMP value on first use: do it first
+    old = lib.omp_get_max_threads()
+    if old == n:
+        yield
+        return
+    lib.omp_set_num_threads(n)
+    try:
+        yield
+    finally:
+        lib.omp_set_num_threads(old)
+
+
+def threaded(fn: F) -> F:
+    """Decorator: ``fn`` (a blocked kernel) runs inside :func:`kernel_threads`. (Kernels
+    whose loops run in :func:`scratch` get it there: a single fused ATen call, as the
+    fast LayerNorm is, keeps every thread, one region being no worse than the meaning's.)"""
+
+    @functools.wraps(fn)
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with kernel_threads():
+            return fn(*args, **kwargs)
+
+    # torch.library reads the signature to infer the op's schema: give it fn's, with its
+    # annotations evaluated in fn's module (they are strings there, and this module
+    # lacks their names).
+    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
+    return run  # type: ignore[return-value]
+
+
 # --- per-thread scratch ----------------------------------------------------------------
 
 
@@ -199,18 +278,19 @@ class Scratch:
 
 @contextlib.contextmanager
 def scratch() -> Iterator[Scratch]:
-    """This thread's scratch for one kernel call, under ``torch.no_grad()``.
+    """This thread's scratch for one kernel call's loop over blocks, under
+    ``torch.no_grad()`` and :func:`kernel_threads`.
 
     A call made while another holds the thread's scratch (a kernel run from a hook
     inside a kernel) gets blocks of its own, freed at its end.
     """
     if _pool.busy:
-        with torch.no_grad():
+        with torch.no_grad(), kernel_threads():
             yield Scratch({})
         return
     _pool.busy = True
     try:
-        with torch.no_grad():
+        with torch.no_grad(), kernel_threads():
             yield Scratch(_pool.buffers)
     finally:
         _pool.busy = False

@@ -48,6 +48,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from ditops.kernels.cpu import blocks
 from ditops.kernels.opaque import opaque_op
 from ditops.kernels.qk_norm_rope_tables import (
     LOW_PRECISION,
@@ -357,6 +358,7 @@ def _run(
 
 
 @opaque_op("ditops::cpu_rms_norm")
+@blocks.threaded
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, convention: str, exact: bool) -> Tensor:
     """RMSNorm over the last dim of ``x`` (any shape); ``exact`` gives eager's bits, fast
     changes only the reduction (see the module docstring)."""
@@ -376,6 +378,7 @@ def _(x, weight, eps, convention, exact):
 
 
 @opaque_op("ditops::cpu_rotary_embedding")
+@blocks.threaded
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     """The rotation of ``x`` [B, L, H, D] by ``[Bt, L, Dt]`` tables; bitwise eager's."""
     tabs = pair_tables(cos, sin, x.shape[-1], layout)
@@ -389,6 +392,7 @@ def _(x, cos, sin, layout):
 
 
 @opaque_op("ditops::cpu_qk_norm_rope")
+@blocks.threaded
 def qk_norm_rope(
     q: Tensor,
     k: Tensor,

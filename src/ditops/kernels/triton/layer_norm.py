@@ -49,7 +49,9 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from ditops.core import tune
 from ditops.kernels.opaque import opaque_op
+from ditops.platform import device_kind
 
 # The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even (see above).
 EXPLICIT_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -330,6 +332,20 @@ def launch_config(n_rows: int, c: int, max_block_c: int) -> tuple[int, int, bool
     return block_m, block_c, loop, num_warps
 
 
+def candidate_configs(block_m: int, num_warps: int) -> list[dict[str, int]]:
+    """Launch configs the tuner times (:func:`ditops.core.tune.launch_config`), the
+    measured default (:func:`launch_config`) first: half and twice the warps, and half
+    the rows per program. Each normalises every row on its own (rows never mix), so they
+    differ at most in the order of a row's reduction (the ``fast`` tolerance)."""
+    found: list[dict[str, int]] = []
+    for bm in (block_m, block_m // 2):
+        for nw in (num_warps, num_warps * 2, num_warps // 2):
+            cfg = {"BLOCK_M": bm, "num_warps": nw}
+            if bm >= 1 and 1 <= nw <= 16 and cfg not in found:
+                found.append(cfg)
+    return found
+
+
 def modulation_args(m: Tensor | None, length: int) -> tuple[int, int, int, int]:
     """(stride_b, stride_g, tokens per group, stride_c) of a [Bm, G, C] modulation tensor."""
     if m is None:
@@ -389,22 +405,32 @@ def launch_layer_norm(
             HAS_W=w is not None, HAS_B=b is not None, BLOCK_C=block_c, num_warps=num_warps,
         )  # fmt: skip
         return
-    grid = (triton.cdiv(n_rows, block_m),)
-    _layer_norm_kernel[grid](
-        residual if residual is not None else x, x, gate if gate is not None else x,
-        w if w is not None else x, b if b is not None else x,
-        scale if scale is not None else x, shift if shift is not None else x,
-        out, new_residual if new_residual is not None else out,
-        n_rows, length, c, eps,
-        r_sb, r_sl, x_sb, x_sl,
-        *modulation_args(gate, length),
-        *modulation_args(scale, length),
-        *modulation_args(shift, length),
-        HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, PROD_DTYPE=prod_dtype,
-        HAS_W=w is not None, HAS_B=b is not None, HAS_MOD=scale is not None,
-        BLOCK_M=block_m, BLOCK_C=block_c, LOOP=loop,
-        num_warps=num_warps, enable_fp_fusion=residual is None,
-    )  # fmt: skip
+
+    def run(cfg: dict[str, int]) -> None:
+        bm = cfg["BLOCK_M"]
+        _layer_norm_kernel[(triton.cdiv(n_rows, bm),)](
+            residual if residual is not None else x, x, gate if gate is not None else x,
+            w if w is not None else x, b if b is not None else x,
+            scale if scale is not None else x, shift if shift is not None else x,
+            out, new_residual if new_residual is not None else out,
+            n_rows, length, c, eps,
+            r_sb, r_sl, x_sb, x_sl,
+            *modulation_args(gate, length),
+            *modulation_args(scale, length),
+            *modulation_args(shift, length),
+            HAS_RESIDUAL=residual is not None, HAS_GATE=gate is not None, PROD_DTYPE=prod_dtype,
+            HAS_W=w is not None, HAS_B=b is not None, HAS_MOD=scale is not None,
+            BLOCK_M=bm, BLOCK_C=block_c, LOOP=loop,
+            num_warps=cfg["num_warps"], enable_fp_fusion=residual is None,
+        )  # fmt: skip
+
+    tune.launch_config(
+        "triton_layer_norm",
+        device_kind(x),
+        (n_rows, c, int(residual is not None), int(scale is not None)),
+        candidate_configs(block_m, num_warps),
+        run,
+    )
 
 
 def check_float(name: str, t: Tensor, device: torch.device) -> None:

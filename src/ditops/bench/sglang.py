@@ -1,0 +1,157 @@
+"""Benchmark ``ditops bench sglang``: the bench Wan (:data:`ditops.bench.wan_model.DEFAULT_CONFIG`,
+the ``wan`` suite's latent) as sglang's own ``WanTransformer3DModel``, run by sglang's
+stock platform for the host and by ditops' platform, dense and with ditops'
+``block_sparse_attn``, in one run with the variants interleaved per step.
+
+Needs sglang's environment (``.ci/sglang`` builds one; 0.5.21 tested). Stock sglang on a
+CPU stops at the first norm (its CPU path calls a CPU build of sgl-kernel no registry
+serves): the bench says so and gives ditops' sparse/dense ratio. Where stock runs, its
+times are the baseline of both ratios. Random weights (sglang's loader is not timed);
+the forwards see the same inputs; the sparse variant runs sglang's metadata for each
+step (``skip_first_steps`` dense steps first, only sparse steps are compared).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ditops.bench.wan import LATENTS
+from ditops.bench.wan_model import DEFAULT_CONFIG, default_dtype
+
+SPARSE = {"sparsity": 0.75, "skip_first_steps": 1}
+STEPS = 4
+TEXT_TOKENS = 64
+
+
+def _setup(device: torch.device, tmp: str) -> Any:
+    """sglang's process state an in-process DiT needs: global arguments (a folder named
+    like a Wan checkpoint picks its config) and a one-rank process group."""
+    from sglang.multimodal_gen.runtime.distributed import parallel_state
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
+
+    folder = Path(tmp) / "Wan2.1-T2V-1.3B-Diffusers"
+    folder.mkdir()
+    (folder / "model_index.json").write_text(json.dumps({"_class_name": "WanPipeline"}))
+    args = ServerArgs.from_kwargs(model_path=str(folder), num_gpus=1)
+    set_global_server_args(args)
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29561")
+    parallel_state.maybe_init_distributed_environment_and_model_parallel(1, 1)
+    return args
+
+
+def _build(platform: Any, args: Any, backend: str | None, dtype, device) -> torch.nn.Module:
+    from sglang.multimodal_gen.configs.models.dits.wanvideo import WanVideoConfig
+    from sglang.multimodal_gen.runtime import platforms
+    from sglang.multimodal_gen.runtime.models.dits.wanvideo import WanTransformer3DModel
+
+    args.attention_backend = backend
+    args.attention_backend_config = dict(SPARSE) if backend else {}
+    saved, platforms._current_platform = platforms._current_platform, platform
+    try:
+        config = WanVideoConfig()
+        config.update_model_arch(dict(DEFAULT_CONFIG))
+        model = WanTransformer3DModel(config, dict(DEFAULT_CONFIG))
+    finally:
+        platforms._current_platform = saved
+    return model.to(device, dtype).eval()
+
+
+def _metadata(step: int, latent: list[int]) -> Any:
+    from ditops.integrations.sglang.attention import DitopsBlockSparseMetadataBuilder
+
+    return DitopsBlockSparseMetadataBuilder().build(
+        current_timestep=step, skip_first_steps=SPARSE["skip_first_steps"],
+        sparsity=SPARSE["sparsity"], raw_latent_shape=latent,
+        patch_size=DEFAULT_CONFIG["patch_size"],
+    )  # fmt: skip
+
+
+def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> dict[str, Any]:
+    """Run the bench, print its table, return the payload."""
+    try:
+        import sglang.multimodal_gen  # noqa: F401
+    except ImportError as error:
+        raise SystemExit(
+            f"ditops bench sglang needs sglang's diffusion runtime ({error}); "
+            "build its environment with .ci/sglang"
+        ) from error
+    from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.server_args import server_args as module
+
+    from ditops.integrations.sglang import platform as plugin
+
+    dtype = dtype or default_dtype(device)
+    latent = [1, DEFAULT_CONFIG["in_channels"], *LATENTS[size][2:]]
+    kind = plugin.host_kind()
+    stock_cls = plugin.builtin_class(kind)
+    mine = getattr(plugin, plugin.KINDS[kind][2])()
+    mine.init_backend()
+    saved = module._global_server_args
+    with tempfile.TemporaryDirectory() as tmp:
+        args = _setup(device, tmp)
+        models = {
+            "stock": _build(stock_cls(), args, None, dtype, device),
+            "ditops dense": _build(mine, args, None, dtype, device),
+            "ditops sparse": _build(mine, args, "block_sparse_attn", dtype, device),
+        }
+        state = models["stock"].state_dict()
+        g = torch.Generator().manual_seed(0)
+        for p in state.values():
+            p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+        for model in models.values():
+            model.load_state_dict(state)
+        gen = torch.Generator().manual_seed(1)
+        x = torch.randn(latent, generator=gen).to(device, dtype)
+        text = torch.randn(1, TEXT_TOKENS, DEFAULT_CONFIG["text_dim"], generator=gen)
+        text = text.to(device, dtype)
+        times: dict[str, list[float]] = {name: [] for name in models}
+        failures: dict[str, str] = {}
+        for step in range(STEPS):
+            for name, model in models.items():
+                if name in failures:
+                    continue
+                md = _metadata(step, latent) if name == "ditops sparse" else None
+                start = time.perf_counter()
+                try:
+                    with torch.no_grad(), set_forward_context(step, md, None):
+                        model(x, text, torch.tensor([900 - 200 * step], device=device))
+                except Exception as error:
+                    if name != "stock":
+                        raise
+                    failures[name] = f"{type(error).__name__}: {error}"
+                    continue
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                if step >= SPARSE["skip_first_steps"]:
+                    times[name].append(time.perf_counter() - start)
+    module._global_server_args = saved
+    best = {name: min(t) for name, t in times.items() if t}
+    base = "stock" if "stock" in best else "ditops dense"
+    rows = [
+        {
+            "variant": name,
+            "seconds": best.get(name),
+            "failed": failures.get(name),
+            "speedup": best[base] / best[name] if name in best else None,
+        }
+        for name in models
+    ]
+    load = os.getloadavg()[0]
+    print(
+        f"ditops bench sglang: Wan {DEFAULT_CONFIG['num_layers']} layers, latent {latent}, "
+        f"{dtype}, {device}, sparse {SPARSE}, speedup vs {base}, load {load:.1f}"
+    )
+    for row in rows:
+        if row["speedup"] is None:
+            print(f"  {row['variant']:<14} fails: {row['failed']}")
+        else:
+            print(f"  {row['variant']:<14} {row['seconds']:8.3f} s  {row['speedup']:.2f}x")
+    return {"rows": rows, "latent": latent, "dtype": str(dtype), "sparse": SPARSE, "base": base}

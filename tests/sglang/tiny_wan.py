@@ -1,0 +1,79 @@
+"""A tiny Wan 2.1 text-to-video checkpoint in diffusers' layout, written at test time.
+
+sglang picks its pipeline config from the folder's name, so the checkpoint lives in a
+folder named like the real one (``.../Wan2.1-T2V-1.3B-Diffusers``). Parts: a 2-layer
+``WanTransformer3DModel`` (dim 64, 2 heads), a small ``AutoencoderKLWan``, a 2-layer
+UMT5 encoder, a word-level tokenizer, UniPC. Random weights with a fixed seed: the
+frames mean nothing, the arithmetic is all there. Written in a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+WORDS = ["<pad>", "</s>", "<unk>", "a", "cat", "dog", "runs", "in", "the", "snow", "red", "ball"]
+PROMPT = "a red cat runs in the snow"
+TEXT_DIM = 32
+
+
+def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int = 2) -> Path:
+    """Write the checkpoint under ``root`` and return its folder."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
+
+    path = root / "Wan2.1-T2V-1.3B-Diffusers"
+    torch.manual_seed(0)
+    WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=dim_head,
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=128,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    ).save_pretrained(path / "transformer")
+    AutoencoderKLWan(
+        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        temperal_downsample=[False, True, True],
+    ).save_pretrained(path / "vae")  # fmt: skip
+    UMT5EncoderModel(
+        UMT5Config(
+            vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2,
+            num_heads=4, relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+        )
+    ).save_pretrained(path / "text_encoder")  # fmt: skip
+    word_level = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
+    word_level.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(
+        tokenizer_object=word_level, pad_token="<pad>", eos_token="</s>", unk_token="<unk>"
+    ).save_pretrained(path / "tokenizer")
+    UniPCMultistepScheduler(
+        prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
+    ).save_pretrained(path / "scheduler")
+    index = {
+        "_class_name": "WanPipeline",
+        "_diffusers_version": "0.37.0",
+        "transformer": ["diffusers", "WanTransformer3DModel"],
+        "vae": ["diffusers", "AutoencoderKLWan"],
+        "text_encoder": ["transformers", "UMT5EncoderModel"],
+        "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
+        "scheduler": ["diffusers", "UniPCMultistepScheduler"],
+    }
+    (path / "model_index.json").write_text(json.dumps(index, indent=1))
+    return path
+
+
+if __name__ == "__main__":
+    import sys
+
+    print(write_tiny_wan(Path(sys.argv[1])))
