@@ -54,7 +54,7 @@ def main() -> None:
             "permutation gathers": gathers,
         }
         times: dict[str, list[float]] = {name: [] for name in variants}
-        for name, fn in variants.items():
+        for fn in variants.values():
             fn()  # warm-up
         for r in range(args.rounds):
             for name, fn in variants.items():
@@ -65,7 +65,8 @@ def main() -> None:
     dense = statistics.median(times["dense SDPA"])
     print(f"dense SDPA median {dense * 1e3:.0f} ms; shares of it (median over rounds):")
     for name, ts in times.items():
-        print(f"  {name:<24} {statistics.median(ts) * 1e3:9.1f} ms  {statistics.median(ts) / dense:7.2%}")
+        med = statistics.median(ts)
+        print(f"  {name:<24} {med * 1e3:9.1f} ms  {med / dense:7.2%}")
     warm = statistics.median(times["cluster warm"]) + statistics.median(times["estimate permuted"])
     print(f"  warm clustering + estimate: {warm / dense:.2%} of dense SDPA")
     print(f"load {os.getloadavg()}")
