@@ -17,7 +17,7 @@ import sys
 
 import torch
 
-from ditops.bench.masks import _exact_coverage, _fixed_density_for
+from ditops.bench.masks_scattered import _exact_coverage, _fixed_density_for
 from ditops.bench.video_attention import exact_block_mass, scattered_attention
 from ditops.ops.estimate_block_mask import estimate_block_mask
 

@@ -76,6 +76,7 @@ import torch.nn.functional as F
 
 from ditops.attention.block_mask import causal_candidates, num_blocks, row_counts
 from ditops.attention.layout import plan_chunks, to_bnsd
+from ditops.attention.mass import select_by_mass
 from ditops.attention.methods import sampled_block_scores
 from ditops.attention.selection import (
     BlockSelection,
@@ -158,7 +159,11 @@ def mask_from_scores(
     """
     sel = selection_of(sel, fields)
     if sel.in_budget:
-        keep = select_in_budget(scores, sel, allocation=allocation or sel.allocation)
+        how = allocation or sel.allocation
+        if sel.mass is not None:
+            keep = select_by_mass(scores, sel, allocation=how)
+        else:
+            keep = select_in_budget(scores, sel, allocation=how)
         mask = keep.to(torch.int8)
         return mask, row_counts(mask)
     keep = select_blocks(

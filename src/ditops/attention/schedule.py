@@ -94,7 +94,7 @@ class BlockSparseConfig:
             ``sparsity``). Each sparse call keeps the fewest blocks whose estimated
             softmax mass covers this share of each query block row's (per-row methods)
             or of each head's on average over its rows (``*_head`` methods), the forced
-            blocks counted (:func:`ditops.attention.selection.select_by_mass`): every
+            blocks counted (:func:`ditops.attention.mass.select_by_mass`): every
             head gets the density it needs, local heads few blocks, diffuse heads more.
             The density that results is the mask's that runs
             (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`).

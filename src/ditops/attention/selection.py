@@ -413,8 +413,11 @@ def select_in_budget(
     (``"head"``, :func:`ditops.attention.methods.select_per_head`) or over all the heads
     at once (``"layer"``, :func:`ditops.attention.methods.select_per_layer`)."""
     sel = selection_of(sel, fields)
-    if sel.mass is not None:
-        return select_by_mass(scores, sel, allocation=allocation)
+    if sel.mass is not None:  # a mass target is not a budget: never ignore it silently
+        raise ValueError(
+            "select_in_budget: this selection asks for a mass target; select its blocks with "
+            "ditops.attention.mass.select_by_mass"
+        )
     q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
     dev = scores.device
     budget = block_budget(q_blocks, kv_blocks, sel)
@@ -438,55 +441,3 @@ def select_in_budget(
         reached = ranked.cumsum(-1) < sel.threshold * ranked.sum(-1, keepdim=True)
         limit = torch.minimum(limit, reached.sum(-1, keepdim=True) + 1)
     return (scored & (v >= 0) & (rank < limit)) | forced
-
-
-def select_by_mass(
-    scores: torch.Tensor,
-    sel: BlockSelection | None = None,
-    *,
-    allocation: str = "row",
-    **fields: Any,
-) -> torch.Tensor:
-    """Bool ``[..., Qb, KVb]``: the fewest blocks covering ``sel.mass`` of the estimated
-    mass, forced blocks included (and counted as covered).
-
-    ``allocation="row"``: every query block row keeps its forced blocks, then its scored
-    blocks in descending score (the lower key block first on ties) until the kept ones
-    hold ``mass`` of the row's total over its candidates. ``"head"``: each row's scores
-    normalised to its total, a head keeps the blocks adding the most of their row's mass
-    over its whole map until the mean over its rows (rows with some mass) reaches
-    ``mass``: diffuse rows get more blocks, sharp rows fewer. Either way the density is
-    whatever the scores need, per row or per head (what runs is the mask returned:
-    ``density_stats`` of it is the density). Sums in fp64, so the coverage computed from
-    the returned mask is never below ``mass`` by more than fp64 rounding. NaN scores
-    count as no mass and are never kept.
-    """
-    sel = selection_of(sel, fields)
-    assert sel.mass is not None
-    q_blocks, kv_blocks = int(scores.shape[-2]), int(scores.shape[-1])
-    dev = scores.device
-    forced = forced_block_mask(q_blocks, kv_blocks, sel, device=dev)
-    cand = candidate_blocks(q_blocks, kv_blocks, causal=sel.causal, device=dev)
-    scored = cand & ~forced
-    nan = scores.isnan()
-    mass = (scores.double() * cand).masked_fill(nan | ~cand, 0.0).clamp(min=0.0)
-    total = mass.sum(-1, keepdim=True)
-    if allocation == "row":
-        gain, covered = mass, (mass * forced).sum(-1, keepdim=True)
-        target = sel.mass * total
-        flat = False
-    else:  # "head": shares of each row's mass, over the head's whole map
-        gain = mass / total.clamp(min=torch.finfo(torch.float64).tiny)
-        live = (total > 0).double()
-        covered = (gain * forced).sum((-2, -1)).reshape(*gain.shape[:-2], 1)
-        target = sel.mass * live.sum((-2, -1)).reshape(*gain.shape[:-2], 1)
-        flat = True
-    v = gain.masked_fill(~scored | nan, -1.0)  # unscored and NaN ranked last, never kept
-    if flat:
-        v = v.flatten(-2)
-    order = v.argsort(dim=-1, descending=True, stable=True)
-    ranked = v.gather(-1, order)
-    before = ranked.clamp(min=0.0).cumsum(-1) - ranked.clamp(min=0.0)  # mass kept before
-    keep_sorted = (covered + before < target) & (ranked >= 0)
-    keep = torch.zeros_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    return keep.view(scores.shape) | forced

@@ -31,12 +31,14 @@ allocation. :func:`mask_quality` compares a mask with both and with dense attent
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
+from ditops.attention.selection import forced_block_mask
 from ditops.bench.harness import relative_error
 
 HEAD_KINDS = ("spatial", "temporal", "mixed", "diffuse")
@@ -348,3 +350,55 @@ def scattered_attention(
     q, k = torch.stack(qs)[None], torch.stack(ks)[None]
     v = torch.randn(q.shape, generator=gen)
     return q.to(dtype), k.to(dtype), v.to(dtype)
+
+
+# --- what masks are scored against (the masks suite and its probes) ----------------------
+
+#: The masks suite's heads, head dim, block size and antidiagonal stride; its forced blocks.
+HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
+FLAGS = {"keep_sink": True, "keep_recent": True, "causal": False}
+
+
+def first_frame_blocks(shape: Sequence[int], block_size: int = BLOCK) -> int:
+    return math.ceil(shape[1] * shape[2] / block_size)
+
+
+@dataclass(frozen=True)
+class MaskReference:
+    """What masks of one BNSD ``q, k, v`` are scored against (fp32 CPU copies): the exact
+    block masses, the forced blocks (the first frame of ``shape``, sink, recent) and the
+    dense attention output."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    mass: torch.Tensor
+    forced: torch.Tensor
+    dense: torch.Tensor
+    first_frame: int
+    block_size: int
+
+    @classmethod
+    def of(
+        cls,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        shape: Sequence[int],
+        block_size: int = BLOCK,
+    ) -> MaskReference:
+        qf, kf, vf = (t.float().cpu() for t in (q, k, v))
+        ff = first_frame_blocks(shape, block_size)
+        mass = exact_block_mass(qf, kf, block_size)
+        blocks = int(mass.shape[-1])
+        forced = forced_block_mask(blocks, blocks, dense_blocks=ff, **FLAGS)
+        with torch.inference_mode():
+            dense = F.scaled_dot_product_attention(qf, kf, vf)
+        return cls(qf, kf, vf, mass, forced, dense, ff, block_size)
+
+    def quality(self, mask: torch.Tensor) -> MaskQuality:
+        """``mask`` (``[B, H, Qb, KVb]``, any device) against both oracles and dense."""
+        return mask_quality(
+            self.mass, mask.cpu(), self.q, self.k, self.v, self.dense,
+            forced=self.forced, block_size=self.block_size,
+        )  # fmt: skip

@@ -123,7 +123,7 @@ class EstimateBlockMask(CustomOp):
         Default 1 (every block), unless ``mass`` is given: in ``(0, 1]``, the share of
         each row's estimated attention mass (per-row methods), or of each head's on
         average over its rows (per-head methods), the kept blocks cover, forced blocks
-        counted (:func:`ditops.attention.selection.select_by_mass`): the density is then
+        counted (:func:`ditops.attention.mass.select_by_mass`): the density is then
         whatever each row or head needs (``density_stats`` of the mask returned is the
         density that runs). Give ``keep_ratio`` or ``mass``, not both.
         ``threshold`` > 0 is the cumulative mass kept before the cap (>= 1 keeps all);
