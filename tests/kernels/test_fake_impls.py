@@ -76,6 +76,7 @@ def calls() -> list[Call]:
     mp = pytest.MonkeyPatch()
     mp.setattr(opaque_mod, "traced", lambda: True)  # the custom op, as in a graph
     recorder = _Recorder()
+    torch._dynamo.reset()  # nothing compiled by earlier tests serves these forwards
     try:
         for device_kind in (None, "cuda"):
             reset_state()
@@ -89,6 +90,9 @@ def calls() -> list[Call]:
     finally:
         reset_state()
         mp.undo()
+        # The forwards above ran with ditops' traced() forced true: what dynamo compiled
+        # then (FlexAttention for these shapes) must not serve the tests that follow.
+        torch._dynamo.reset()
     return recorder.calls
 
 
@@ -153,12 +157,20 @@ def test_the_non_contiguous_variant_changes_strides(calls: list[Call]) -> None:
 
 
 #: ditops ops no forward above reaches, each checked on its own below: the Triton GELU
-#: (FLUX's feed-forward), the rotations alone (a prologue with its norms fuses them).
-NOT_IN_THE_FORWARDS = {"triton_gelu_tanh_bias", "cpu_rotary_embedding", "triton_rotary_embedding"}
+#: (FLUX's feed-forward), the rotations alone (a prologue with its norms fuses them), the
+#: Triton antidiagonal block scores (the forwards' sparse attention samples rows instead).
+NOT_IN_THE_FORWARDS = {
+    "triton_gelu_tanh_bias",
+    "cpu_rotary_embedding",
+    "triton_rotary_embedding",
+    "triton_estimate_block_scores",
+}
 
 
 def test_every_ditops_op_is_checked(calls: list[Call]) -> None:
-    import ditops.kernels.triton.gelu  # noqa: F401  (registers its op)
+    # Both register their ops on import: the set below is then the same in any test order.
+    import ditops.kernels.triton.estimate
+    import ditops.kernels.triton.gelu  # noqa: F401
 
     registered = {
         name
@@ -176,6 +188,16 @@ def test_triton_gelu_fake_matches() -> None:
     op = torch.ops.ditops.triton_gelu_tanh_bias.default
     for a in ((x, bias), (_non_contiguous(x), bias), (x, None)):
         assert _problems(op, a, {}) == []
+
+
+def test_triton_block_scores_fake_matches() -> None:
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 2, 256, 32, generator=g).bfloat16()
+    k = torch.randn(1, 2, 384, 32, generator=g).bfloat16()
+    op = torch.ops.ditops.triton_estimate_block_scores.default
+    for causal in (False, True):
+        for a in ((q, k), (_non_contiguous(q), k)):
+            assert _problems(op, (*a, 128, 8, 0.125, causal, 1), {}) == []
 
 
 def test_rotary_embedding_fakes_match(calls: list[Call]) -> None:
