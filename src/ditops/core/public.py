@@ -22,7 +22,6 @@ import inspect
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from ditops.core.checks import dtype_names
 from ditops.core.op import CustomOp
 from ditops.core.paths import NATIVE
 
@@ -58,17 +57,8 @@ def public_op(op: CustomOp) -> Callable[[F], F]:
 def paths_section(cls: type[CustomOp]) -> str:
     """The op's declared paths in words (generated: it cannot drift from the code)."""
     lines = ["Paths (declared; ``ditops info`` says which one runs on this machine):", ""]
-    for spec in cls._specs.values():
-        what = [f"precision {'/'.join(sorted(spec.precisions))}"]
-        if spec.dtypes is not None:
-            what.append(f"dtypes {dtype_names(spec.dtypes)}")
-        if spec.backend is not None:
-            what.append(f"needs {spec.backend.name}")
-        if spec.inference_only:
-            what.append("inference only")
-        if spec.reasons is not None:
-            what.append("refuses some calls (their reasons: ``op.explain_call``)")
-        lines.append(f"- {', '.join(spec.kinds)}: ``{spec.name}`` ({'; '.join(what)})")
+    for spec in cls._specs.values():  # what each takes, as ``ditops info`` says it
+        lines.append(f"- {', '.join(spec.kinds)}: ``{spec.name}`` ({spec.accepts()})")
     lines.append(f"- any other call: ``{NATIVE}``, the meaning")
     return "\n".join(lines)
 
