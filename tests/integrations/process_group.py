@@ -4,7 +4,7 @@ The processes are forked from the test process, so they start with torch, diffus
 ditops already imported (a spawned one spends ~9 s of CPU importing them; import the
 diffusers classes a test uses in the test module, since diffusers imports its submodules
 lazily) and the function may be a closure. Each process uses one thread (the CI machine
-has 2 cores), runs inside :func:`ditops.integrations.parallel.cpu_shims` (the two
+has 2 cores), runs inside :func:`ditops.integrations.shared.parallel.cpu_shims` (the two
 work-arounds diffusers 0.42 needs without an accelerator: see its docstring) and sends
 back what the function returns (plain data) or its traceback. A process that hangs (a
 collective its peer never joins) is killed after ``timeout`` seconds and the test fails.
@@ -34,7 +34,7 @@ def _entry(
 ) -> None:
     import torch.distributed as dist
 
-    from ditops.integrations.parallel import cpu_shims
+    from ditops.integrations.shared.parallel import cpu_shims
 
     torch.set_num_threads(1)  # one thread per rank, as OMP_NUM_THREADS=1 would give
     try:

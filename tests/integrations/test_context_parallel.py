@@ -38,7 +38,7 @@ import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.custom_op import registered_ops
-from ditops.integrations.parallel import split_sizes
+from ditops.integrations.shared.parallel import split_sizes
 from tests.integrations.process_group import run_group
 from tests.integrations.test_diffusers_wan import TINY
 
@@ -343,7 +343,7 @@ def exchange_checks(rank: int, world: int) -> dict[str, float]:
     config splits them, against attention in one process."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from ditops.integrations.parallel import attend_across_ranks
+    from ditops.integrations.shared.parallel import attend_across_ranks
 
     out = {}
     g = torch.Generator().manual_seed(3)
@@ -557,7 +557,7 @@ def test_unified_with_fewer_heads_than_ranks(unified: list[dict[str, Any]]) -> N
 def test_cpu_shims_are_a_helper_not_an_import_side_effect() -> None:
     import logging
 
-    from ditops.integrations.parallel import cpu_shims
+    from ditops.integrations.shared.parallel import cpu_shims
 
     count = torch.accelerator.device_count
     had_warning_once = hasattr(logging.Logger, "warning_once")

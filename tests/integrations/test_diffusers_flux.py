@@ -23,7 +23,7 @@ from ditops import config
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
-from ditops.integrations import flux as flux_integration
+from ditops.integrations.flux import family as flux_integration
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of, install_spies
 from tests.precision import max_rel_err
 

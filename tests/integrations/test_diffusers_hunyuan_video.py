@@ -22,7 +22,7 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from ditops.integrations import hunyuan_video as hv_integration
+from ditops.integrations.hunyuan_video import family as hv_integration
 from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -472,7 +472,7 @@ def test_steps_counted_per_branch_and_masks_reused(estimates: list) -> None:
 
 
 def test_sparse_refuses_a_mask_on_video_keys() -> None:
-    from ditops.integrations.hunyuan_attention import _text_keys_kept
+    from ditops.integrations.hunyuan_video.attention import _text_keys_kept
 
     mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
     assert _text_keys_kept(mask, 1, 10, 6, mask.device).shape == (1, 4)

@@ -248,7 +248,7 @@ def test_skyreels_causal_mask_runs_dense_on_sparse_steps_and_warns(
 ) -> None:
     """Block-sparse attention takes no mask: with SkyReels-V2's causal frame blocks a
     sparse step runs dense attention with the mask, bitwise the unpatched model."""
-    from ditops.integrations import wan_attention
+    from ditops.integrations.wan import attention as wan_attention
 
     model = build("skyreels_v2", num_frame_per_block=2)
     x = inputs("skyreels_v2", frames=4, hw=16)

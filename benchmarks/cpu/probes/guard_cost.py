@@ -15,7 +15,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
 from tests.integrations import test_diffusers_wan as wan_t
 
 import ditops
-from ditops.integrations.wan_attention import PROLOGUE_BYPASS
+from ditops.integrations.wan.attention import PROLOGUE_BYPASS
 
 model = wan_t.tiny_wan(keep_fp32=True)
 ditops.patch(model, precision="exact")

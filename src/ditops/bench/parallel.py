@@ -13,7 +13,7 @@ the ``P`` ranks (the slowest rank's), the speedup, and the largest difference of
 gathered output from the one-process output of the same variant (parity). A variant
 diffusers refuses (Ring where its attention backend gives no log-sum-exp, such as the
 native backend on CPU) is listed as refused with diffusers' message; ditops' sparse
-attention runs every mode itself (see :mod:`ditops.integrations.parallel`).
+attention runs every mode itself (see :mod:`ditops.integrations.shared.parallel`).
 
 The process group is the device's default backend: gloo on CPU, nccl on CUDA, hccl on
 Ascend NPUs (torch_npu); nothing else differs. On CPU each rank runs one thread (torchrun
@@ -360,7 +360,7 @@ def main(args: Any) -> int:
     import torch.distributed as dist
 
     from ditops.bench.harness import machine_info, write_json
-    from ditops.integrations.parallel import cpu_shims
+    from ditops.integrations.shared.parallel import cpu_shims
 
     device = init_distributed(args.device)
     try:

@@ -4,7 +4,7 @@
 HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
-:mod:`ditops.integrations.base`).
+:mod:`ditops.integrations.shared.base`).
 
 Calling :func:`patch` again combines: options given in the new call replace the ones in
 force, options left out keep their value, so ``patch(m, precision="exact")`` then
@@ -22,13 +22,13 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations.base import ModelFamily, PatchError, PatchOptions, PatchRecord
-from ditops.integrations.flux import FluxFamily
-from ditops.integrations.hunyuan_video import HunyuanVideoFamily
-from ditops.integrations.hunyuan_video15 import HunyuanVideo15Family
-from ditops.integrations.norms import GenericFamily
-from ditops.integrations.steps import StepState
-from ditops.integrations.wan import WanFamily
+from ditops.integrations.flux.family import FluxFamily
+from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
+from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
+from ditops.integrations.shared.base import ModelFamily, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.shared.norms import GenericFamily
+from ditops.integrations.shared.steps import StepState
+from ditops.integrations.wan.family import WanFamily
 
 logger = logging.getLogger("ditops")
 

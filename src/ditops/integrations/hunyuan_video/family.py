@@ -24,12 +24,12 @@ The patched blocks run the same expressions on
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate` and
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual` (``h + a * g`` and ``g * a + h``
 are the same bits: products and sums commute), and the attention on
-:class:`~ditops.integrations.hunyuan_attention.HunyuanVideoAttnProcessor` (the q/k
+:class:`~ditops.integrations.hunyuan_video.attention.HunyuanVideoAttnProcessor` (the q/k
 prologue on ``qk_norm_rope`` / ``rms_norm``; block-sparse video attention when asked).
 In exact precision the patched model is bitwise the unpatched one.
 
 The I2V ``token_replace`` blocks (two modulations split at the first frame) run the same
-ops on the two row ranges (:mod:`~ditops.integrations.hunyuan_token_replace`). Left as
+ops on the two row ranges (:mod:`~ditops.integrations.hunyuan_video.token_replace`). Left as
 diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm`` has
 affine parameters, which no adaLN op means) and the embeddings. Which forward a block
 runs is decided in one place, :func:`fused_forward_of`.
@@ -49,9 +49,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations import hunyuan_token_replace as token_replace
-from ditops.integrations.adaln_zero import DIFFUSERS_042, ada_modulate, mlp_half, relied_on_norms
-from ditops.integrations.base import (
+from ditops.integrations.flux.forwards import norm_out_forward
+from ditops.integrations.hunyuan_video import token_replace
+from ditops.integrations.hunyuan_video.attention import (
+    HunyuanOps,
+    HunyuanVideo15AttnProcessor,
+    HunyuanVideoAttnProcessor,
+    attention_problems,
+    single_stream_branches,
+)
+from ditops.integrations.shared.adaln_zero import (
+    DIFFUSERS_042,
+    ada_modulate,
+    mlp_half,
+    relied_on_norms,
+)
+from ditops.integrations.shared.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
@@ -59,21 +72,13 @@ from ditops.integrations.base import (
     is_plain_layer_norm,
     refuse,
 )
-from ditops.integrations.flux_forwards import norm_out_forward
-from ditops.integrations.guard import forward_wrapper_problem, install_guarded
-from ditops.integrations.hunyuan_attention import (
-    HunyuanOps,
-    HunyuanVideo15AttnProcessor,
-    HunyuanVideoAttnProcessor,
-    attention_problems,
-    single_stream_branches,
-)
-from ditops.integrations.steps import StepState, track_steps
+from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
+from ditops.integrations.shared.steps import StepState, track_steps
 
 
 def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
-    fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
+    fingerprints (:func:`~ditops.integrations.shared.base.fingerprint`) of the versions this
     module was checked against. ``hunyuan_video15`` relies on some of them too."""
     from diffusers.models import embeddings, normalization
     from diffusers.models.transformers import transformer_hunyuan_video as hv
@@ -111,7 +116,7 @@ def double_block_forward(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
 
-    Installed through :func:`~ditops.integrations.guard.install_guarded`; a deep copy of
+    Installed through :func:`~ditops.integrations.shared.guard.install_guarded`; a deep copy of
     the block gets a partial bound to the copy and its own ops. Like diffusers', it
     ignores the token-replace arguments the model passes every block.
     """

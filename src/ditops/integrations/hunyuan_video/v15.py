@@ -5,7 +5,7 @@ HunyuanVideo-1.5 (diffusers 0.42) has double-stream blocks only,
 ``HunyuanVideoTransformerBlock.forward`` character for character (the fingerprints
 below are the same): the patch runs :func:`~ditops.integrations.hunyuan_video.
 double_block_forward` on them, ``norm_out`` on ``adaln_modulate``, and the attention on
-:class:`~ditops.integrations.hunyuan_attention.HunyuanVideoAttnProcessor` with
+:class:`~ditops.integrations.hunyuan_video.attention.HunyuanVideoAttnProcessor` with
 ``text_mask=True``: its processor, ``HunyuanVideo15AttnProcessor2_0``, is HunyuanVideo's
 double-stream path except that it is given the ``[B, text]`` mask of the joint text (the
 model puts the valid image, ByT5 and MLLM tokens first, padding after) and makes a
@@ -23,9 +23,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ditops.integrations.adaln_zero import DIFFUSERS_042
-from ditops.integrations.hunyuan_video import HunyuanVideoFamily, Spec
-from ditops.integrations.hunyuan_video import relied_on as hunyuan_relied_on
+from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily, Spec
+from ditops.integrations.hunyuan_video.family import relied_on as hunyuan_relied_on
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 
 _SHARED = (
     "AdaLayerNormZero.forward",

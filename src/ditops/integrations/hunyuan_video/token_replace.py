@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.hunyuan_attention import HunyuanOps, single_stream_branches
+from ditops.integrations.hunyuan_video.attention import HunyuanOps, single_stream_branches
+from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:

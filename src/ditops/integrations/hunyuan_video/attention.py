@@ -44,10 +44,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.adaln_zero import AdaLNOps
-from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass, float64_call
-from ditops.integrations.steps import StepState, runs_dense
+from ditops.integrations.shared.adaln_zero import AdaLNOps
+from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
 
 
@@ -112,7 +112,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     masked as keys and as queries), with the same code as diffusers.
 
     The attention backend and the parallel config live on the wrapped original (see
-    :class:`~ditops.integrations.base.WrappingProcessor`).
+    :class:`~ditops.integrations.shared.base.WrappingProcessor`).
     """
 
     text_mask_default = False

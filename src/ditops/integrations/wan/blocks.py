@@ -2,9 +2,9 @@
 Wan-Animate's copies), ``WanVACETransformerBlock``'s and ``SkyReelsV2TransformerBlock``'s.
 
 Each runs the block's norm / modulation / residual chain (written out in
-:mod:`ditops.integrations.wan`) on ditops' fused ops, one :class:`ModulationOps` per
-patched model; :class:`~ditops.integrations.wan.WanFamily` installs them through
-:func:`~ditops.integrations.guard.install_guarded`, which runs diffusers' forward
+:mod:`ditops.integrations.wan.family`) on ditops' fused ops, one :class:`ModulationOps` per
+patched model; :class:`~ditops.integrations.wan.family.WanFamily` installs them through
+:func:`~ditops.integrations.shared.guard.install_guarded`, which runs diffusers' forward
 instead while anything is attached to the norms they bypass (:data:`BLOCK_BYPASSES`).
 """
 
@@ -74,9 +74,9 @@ def fused_block_forward(
     temb: torch.Tensor,
     rotary_emb: torch.Tensor,
 ) -> torch.Tensor:
-    """``WanTransformerBlock.forward`` on the fused ops (see :mod:`ditops.integrations.wan`).
+    """``WanTransformerBlock.forward`` on the fused ops (see :mod:`ditops.integrations.wan.family`).
 
-    Installed through :func:`~ditops.integrations.guard.install_guarded`: it runs only
+    Installed through :func:`~ditops.integrations.shared.guard.install_guarded`: it runs only
     while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
     """
     mods = _modulations(block, temb)

@@ -26,7 +26,7 @@ a modulated norm on the fused
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate`, the last residual of
 each stream on :func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the fp16 clip
 where FLUX has it. Attention runs
-:class:`~ditops.integrations.flux_forwards.FusedFluxAttnProcessor`, which is
+:class:`~ditops.integrations.flux.forwards.FusedFluxAttnProcessor`, which is
 ``FluxAttnProcessor`` with the prologue (RMSNorm of q and k per head, then the rotary
 embedding) on the fused
 :func:`~ditops.ops.qk_norm_rope.qk_norm_rope`: one call for the single-stream blocks;
@@ -43,7 +43,7 @@ they are (the blocks around them are still fused). Forwards wrapped by diffusers
 accelerate hooks are patched under the hooks.
 
 This module checks a model and applies the patch; the fused forwards and the attention
-processor are in :mod:`ditops.integrations.flux_forwards`.
+processor are in :mod:`ditops.integrations.flux.forwards`.
 """
 
 from __future__ import annotations
@@ -54,18 +54,7 @@ from typing import Any
 
 from torch import nn
 
-from ditops.integrations.adaln_zero import DIFFUSERS_042, relied_on_norms
-from ditops.integrations.base import (
-    AttrSet,
-    PatchError,
-    PatchOptions,
-    PatchRecord,
-    fingerprint_problems,
-    is_plain_layer_norm,
-    refuse,
-    register_like,
-)
-from ditops.integrations.flux_forwards import (
+from ditops.integrations.flux.forwards import (
     DOUBLE_BYPASSES,
     NORM_OUT_BYPASSES,
     SINGLE_BYPASSES,
@@ -75,12 +64,23 @@ from ditops.integrations.flux_forwards import (
     norm_out_forward,
     single_block_forward,
 )
-from ditops.integrations.guard import forward_wrapper_problem, install_guarded
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, relied_on_norms
+from ditops.integrations.shared.base import (
+    AttrSet,
+    PatchError,
+    PatchOptions,
+    PatchRecord,
+    fingerprint_problems,
+    is_plain_layer_norm,
+    refuse,
+    register_like,
+)
+from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
 
 
 def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """Every diffusers function whose arithmetic the patch reproduces, with the
-    fingerprints (:func:`~ditops.integrations.base.fingerprint`) of the versions this
+    fingerprints (:func:`~ditops.integrations.shared.base.fingerprint`) of the versions this
     module was checked against."""
     from diffusers.models import embeddings
     from diffusers.models.transformers import transformer_flux as tf

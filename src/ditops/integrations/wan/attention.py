@@ -1,7 +1,7 @@
 """Wan's self-attention processor (:class:`WanSelfAttnProcessor`, one subclass per copy
 of diffusers' ``WanAttnProcessor`` it wraps): the fused q/k norm and rotary prologue and
 the optional block-sparse attention, dense and sparse steps, under diffusers' context
-parallelism too. :class:`~ditops.integrations.wan.WanFamily` checks the processors it
+parallelism too. :class:`~ditops.integrations.wan.family.WanFamily` checks the processors it
 replaces (:data:`PROCESSORS`) and installs these.
 """
 
@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass, float64_call
-from ditops.integrations.parallel import (
+from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.parallel import (
     attend_across_ranks,
     check_method_per_rank,
     context_parallel_of,
 )
-from ditops.integrations.steps import StepState, runs_dense
+from ditops.integrations.shared.steps import StepState, runs_dense
 
 logger = logging.getLogger("ditops")
 
@@ -59,7 +59,7 @@ class WanSelfAttnProcessor(WrappingProcessor):
     copies in ChronoEdit, SkyReels-V2 and Wan-Animate), so that ``type(p)()`` builds one
     wrapping the model's own processor class.
 
-    Under diffusers' context parallelism (:mod:`ditops.integrations.parallel`): the
+    Under diffusers' context parallelism (:mod:`ditops.integrations.shared.parallel`): the
     config lives on the wrapped processor (``_parallel_config`` and ``_attention_backend``
     read and write through), so ``enable_parallelism`` after the patch reaches it, a patch
     after ``enable_parallelism`` (or ``from_pretrained(parallel_config=...)``) finds the

@@ -12,7 +12,7 @@ config into every processor that has a ``_parallel_config`` attribute.
 What ditops installs, under that split:
 
 * fused norms / modulation / residuals work token by token: nothing to exchange;
-* sparse self-attention (Wan's :class:`~ditops.integrations.wan_attention.WanSelfAttnProcessor`)
+* sparse self-attention (Wan's :class:`~ditops.integrations.wan.attention.WanSelfAttnProcessor`)
   needs, per head, the whole sequence: the estimate scores every query block against
   every key block, and the first frame's dense blocks are counted from the whole video.
   So on a sparse step it moves q/k/v from sequence shards to head shards,
@@ -240,7 +240,7 @@ def cpu_shims() -> Iterator[list[str]]:
 
     Yields the names of the shims it installed. Wrap set-up and forwards::
 
-        with ditops.integrations.parallel.cpu_shims():
+        with ditops.integrations.shared.parallel.cpu_shims():
             model.enable_parallelism(config=ContextParallelConfig(ulysses_degree=2))
             out = model(...)
 

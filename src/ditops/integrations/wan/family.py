@@ -18,7 +18,7 @@ residual add, which is the same fp32 add rounded once), and ``gated_residual`` f
 last. In exact precision each is bitwise equal to those eager expressions.
 
 Self-attention (``attn1``) gets a processor of ditops'
-(:class:`~ditops.integrations.wan_attention.WanSelfAttnProcessor`,
+(:class:`~ditops.integrations.wan.attention.WanSelfAttnProcessor`,
 wrapping diffusers' ``WanAttnProcessor``): with the fused blocks, ``norm_q``/``norm_k``
 and the rotary embedding run as one ``qk_norm_rope`` op (bitwise in exact precision);
 with ``attention=BlockSparseConfig(...)``, ditops'
@@ -42,8 +42,8 @@ reason. Blocks already wrapped by diffusers or
 accelerate hooks (caching, offloading, context parallelism) are patched under the hooks.
 
 This module recognises and checks the models (fingerprints, block kinds) and applies the
-patch; the fused block forwards are in :mod:`ditops.integrations.wan_blocks`, the
-self-attention processors in :mod:`ditops.integrations.wan_attention`.
+patch; the fused block forwards are in :mod:`ditops.integrations.wan.blocks`, the
+self-attention processors in :mod:`ditops.integrations.wan.attention`.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.base import (
+from ditops.integrations.shared.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
@@ -64,11 +64,11 @@ from ditops.integrations.base import (
     refuse,
     register_like,
 )
-from ditops.integrations.guard import forward_wrapper_problem, install_guarded
-from ditops.integrations.norms import swap_norms
-from ditops.integrations.steps import StepState, track_steps
-from ditops.integrations.wan_attention import PROCESSORS
-from ditops.integrations.wan_blocks import (
+from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
+from ditops.integrations.shared.norms import swap_norms
+from ditops.integrations.shared.steps import StepState, track_steps
+from ditops.integrations.wan.attention import PROCESSORS
+from ditops.integrations.wan.blocks import (
     BLOCK_BYPASSES,
     ModulationOps,
     fused_block_forward,

@@ -1,9 +1,9 @@
 """The fused forwards of a patched FLUX model: the double- and single-stream blocks and
 the output norm on ditops' adaLN ops (:class:`FluxOps`, one per patched model), and
 :class:`FusedFluxAttnProcessor`, FLUX's attention with the prologue on ``qk_norm_rope``.
-The arithmetic they reproduce is written out in :mod:`ditops.integrations.flux`, which
+The arithmetic they reproduce is written out in :mod:`ditops.integrations.flux.family`, which
 checks a model and installs these (through
-:func:`~ditops.integrations.guard.install_guarded`).
+:func:`~ditops.integrations.shared.guard.install_guarded`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.adaln_zero import AdaLNOps, ada_modulate, mlp_half
-from ditops.integrations.base import WrappingProcessor
-from ditops.integrations.guard import Bypass, float64_call
+from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
+from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.guard import Bypass, float64_call
 
 #: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
 FP16_MAX = 65504.0
@@ -57,9 +57,9 @@ def double_block_forward(
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``FluxTransformerBlock.forward`` on ditops' ops (see :mod:`ditops.integrations.flux`).
+    """``FluxTransformerBlock.forward`` on ditops' ops (see :mod:`ditops.integrations.flux.family`).
 
-    Installed through :func:`~ditops.integrations.guard.install_guarded`: it runs only
+    Installed through :func:`~ditops.integrations.shared.guard.install_guarded`: it runs only
     while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
     """
     n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
@@ -100,7 +100,7 @@ def single_block_forward(
     joint_attention_kwargs: dict[str, Any] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``FluxSingleTransformerBlock.forward`` on ditops' ops (see
-    :mod:`ditops.integrations.flux`)."""
+    :mod:`ditops.integrations.flux.family`)."""
     text_seq_len = encoder_hidden_states.shape[1]
     residual = torch.cat([encoder_hidden_states, hidden_states], dim=1)
     n, (_, _, gate) = ada_modulate(ops, block.norm, residual, temb, 3)
@@ -124,7 +124,7 @@ def norm_out_forward(
 
 class FusedFluxAttnProcessor(WrappingProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
-    ``qk_norm_rope`` (see :mod:`ditops.integrations.flux`); everything else is FLUX's code
+    ``qk_norm_rope`` (see :mod:`ditops.integrations.flux.family`); everything else is FLUX's code
     path.
 
     The attention backend and the context-parallel config diffusers writes on a

@@ -14,8 +14,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.base import AttrSet, ClassSwap, PatchError, PatchOptions, PatchRecord
-from ditops.integrations.guard import attached_to, own_forward_left
+from ditops.integrations.shared.base import (
+    AttrSet,
+    ClassSwap,
+    PatchError,
+    PatchOptions,
+    PatchRecord,
+)
+from ditops.integrations.shared.guard import attached_to, own_forward_left
 from ditops.layers.norm import FP32LayerNorm
 
 

@@ -24,7 +24,7 @@ record points at the copy's modules) and a patched model pickles (``torch.save``
 as the rest of it does.
 
 Installing a fused forward under those hooks, and the guard that runs the module's own
-forward while something is attached to what it bypasses: :mod:`ditops.integrations.guard`.
+forward while something is attached to what it bypasses: :mod:`ditops.integrations.shared.guard`.
 Also here: what every family checks with (fingerprints, :func:`refuse`) and is
 (:class:`ModelFamily`), and the base of ditops' attention processors.
 """
