@@ -23,7 +23,6 @@ from ditops import config
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
-from ditops.integrations.flux import family as flux_integration
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of, install_spies
 from tests.precision import max_rel_err
 
@@ -208,10 +207,15 @@ def test_models_it_was_not_written_for_are_refused_whole(
 def test_another_diffusers_version_is_refused_by_fingerprint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    relied_on = flux_integration._relied_on()
-    fn, _ = relied_on["apply_rotary_emb"]
-    relied_on["apply_rotary_emb"] = (fn, {"0000000000000000": "diffusers 0.1"})
-    monkeypatch.setattr(flux_integration, "_relied_on", lambda: relied_on)
+    """A diffusers whose apply_rotary_emb differs (its source: the fingerprint) is refused."""
+    from diffusers.models import embeddings
+
+    original = embeddings.apply_rotary_emb
+
+    def changed(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(embeddings, "apply_rotary_emb", changed)
     model = tiny_flux()
     with pytest.raises(PatchError, match=r"apply_rotary_emb of diffusers .* differs"):
         ditops.patch(model)

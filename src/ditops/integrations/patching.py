@@ -22,10 +22,17 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations.flux.family import FluxFamily
+from ditops.integrations.flux.family import FLUX
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
-from ditops.integrations.shared.base import ModelFamily, PatchError, PatchOptions, PatchRecord
+from ditops.integrations.shared.base import (
+    SPARSE_MODELS,
+    ModelFamily,
+    PatchError,
+    PatchOptions,
+    PatchRecord,
+)
+from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import WanFamily
@@ -35,11 +42,12 @@ logger = logging.getLogger("ditops")
 #: The model families ditops knows, most specific first; the last one takes any model.
 FAMILIES: tuple[ModelFamily, ...] = (
     WanFamily(),
-    FluxFamily(),
+    DeclaredFamily(FLUX),
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     GenericFamily(),
 )
+SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]
 
 
 class _Unset:

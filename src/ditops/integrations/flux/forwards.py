@@ -1,5 +1,5 @@
 """The fused forwards of a patched FLUX model: the double- and single-stream blocks and
-the output norm on ditops' adaLN ops (:class:`FluxOps`, one per patched model), and
+on ditops' adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched model), and
 :class:`FusedFluxAttnProcessor`, FLUX's attention with the prologue on ``qk_norm_rope``.
 The arithmetic they reproduce is written out in :mod:`ditops.integrations.flux.family`, which
 checks a model and installs these (through
@@ -13,9 +13,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
+from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
 from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.ops import Ops
 
 #: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
 FP16_MAX = 65504.0
@@ -34,13 +35,6 @@ def _prologue_bypass(attn: nn.Module) -> Bypass:
     return Bypass(tuple((name, nn.RMSNorm) for name in names))
 
 
-# --- the ops of one patched model ------------------------------------------------------------
-
-
-class FluxOps(AdaLNOps):
-    """One set of op instances per patched FLUX model (:class:`~.adaln_zero.AdaLNOps`)."""
-
-
 def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
     # FLUX's own guard, in its own place (after the residual adds it names).
     if h.dtype == torch.float16:
@@ -50,7 +44,7 @@ def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
 
 def double_block_forward(
     block: nn.Module,
-    ops: FluxOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -92,7 +86,7 @@ def double_block_forward(
 
 def single_block_forward(
     block: nn.Module,
-    ops: FluxOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -113,15 +107,6 @@ def single_block_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-def norm_out_forward(
-    norm: nn.Module, ops: FluxOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
-) -> torch.Tensor:
-    """``AdaLayerNormContinuous.forward`` (layer norm without affine) on ditops' op."""
-    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
-    scale, shift = torch.chunk(emb, 2, dim=1)
-    return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)
-
-
 class FusedFluxAttnProcessor(WrappingProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
     ``qk_norm_rope`` (see :mod:`ditops.integrations.flux.family`); everything else is FLUX's code
@@ -134,11 +119,22 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
     """
 
-    def __init__(self, original: Any | None = None, ops: FluxOps | None = None) -> None:
+    #: The diffusers processor this class wraps: (module, class name).
+    wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
+
+    def __init__(
+        self,
+        original: Any | None = None,
+        ops: Ops | None = None,
+        steps: Any = None,
+        sparse: Any = None,
+    ) -> None:
         if original is None:  # built as diffusers' loaders build processors: type(p)()
             from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 
             original = FluxAttnProcessor()
+        if sparse is not None:
+            raise ValueError("FusedFluxAttnProcessor: FLUX has no sparse attention in ditops")
         super().__init__(original)
         self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
 

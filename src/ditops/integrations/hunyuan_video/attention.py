@@ -44,23 +44,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.ops import Ops
 from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
 
-
-class HunyuanOps(AdaLNOps):
-    """One set of op instances per patched HunyuanVideo model: the adaLN ops and
-    ``qk_norm_rope`` (:class:`~.adaln_zero.AdaLNOps`), and ``rms_norm`` for the text rows."""
-
-    def __init__(self, precision: str | None) -> None:
-        from ditops.ops import qk_norm_rope
-
-        super().__init__(precision)
-        self.rms = qk_norm_rope.RMSNormOp()
-        self.rms.precision = precision
+#: The ops of one patched HunyuanVideo model (``adaln_zero.adaln_ops``): the adaLN ops,
+#: ``qk_norm_rope`` and ``rms_norm`` for the text rows.
+HunyuanOps = Ops
 
 
 def single_stream_branches(

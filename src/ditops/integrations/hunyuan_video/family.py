@@ -49,7 +49,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.flux.forwards import norm_out_forward
 from ditops.integrations.hunyuan_video import token_replace
 from ditops.integrations.hunyuan_video.attention import (
     HunyuanOps,
@@ -61,7 +60,9 @@ from ditops.integrations.hunyuan_video.attention import (
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
     ada_modulate,
+    adaln_ops,
     mlp_half,
+    norm_out_forward,
     relied_on_norms,
 )
 from ditops.integrations.shared.base import (
@@ -319,7 +320,7 @@ def apply_plan(
 ) -> None:
     """Patch a checked model in place, recording every change on ``record``
     (``text_mask``: see :class:`HunyuanVideoAttnProcessor`)."""
-    ops = HunyuanOps(options.precision) if options.norms else None
+    ops = adaln_ops(options.precision) if options.norms else None
     if ops is not None:
         for where, block, forward in plan.fused:
             install_guarded(block, forward, ops, _BYPASSED[forward], record, where)

@@ -5,7 +5,7 @@ Both families' double-stream blocks (``FluxTransformerBlock``,
 conditioning with ``AdaLayerNormZero`` (``linear(silu(temb))``, six chunks: shift, scale,
 gate, shift_mlp, scale_mlp, gate_mlp), modulate each stream's layer norm with the first
 two, and finish each stream the same way: ``h + attn * gate``, ``norm2``, modulated by the
-MLP's pair, ``h + ff * gate_mlp``. :class:`AdaLNOps` holds one patched model's ops; the
+MLP's pair, ``h + ff * gate_mlp``. ``adaln_ops`` makes one patched model's ops; the
 functions run those steps on them, in the model dtype, the same operations as diffusers.
 """
 
@@ -16,6 +16,9 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from ditops.integrations.shared.base import is_plain_layer_norm
+from ditops.integrations.shared.ops import Ops
 
 DIFFUSERS_042 = "diffusers 0.42"
 
@@ -39,20 +42,21 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     }  # fmt: skip
 
 
-class AdaLNOps:
-    """One set of op instances per patched model, carrying its precision (a plain object:
-    it deep-copies and pickles with the model)."""
+def adaln_ops(precision: str | None) -> Ops:
+    """The ops of one patched adaLN-Zero model (FLUX, HunyuanVideo and kin): ``modulate``,
+    ``residual``, ``residual_modulate`` and the q/k prologue ``qk``, and ``rms`` (an RMSNorm
+    for rows that are normed but not rotated), each with ``precision``."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
 
-    def __init__(self, precision: str | None) -> None:
-        from ditops.ops import modulation_model_dtype as adaln
-        from ditops.ops import qk_norm_rope
-
-        self.modulate = adaln.AdaLNModulateOp()
-        self.residual = adaln.AdaLNResidualOp()
-        self.residual_modulate = adaln.AdaLNResidualModulateOp()
-        self.qk = qk_norm_rope.QKNormRopeOp()
-        for op in (self.modulate, self.residual, self.residual_modulate, self.qk):
-            op.precision = precision
+    return Ops(
+        precision,
+        modulate=adaln.AdaLNModulateOp,
+        residual=adaln.AdaLNResidualOp,
+        residual_modulate=adaln.AdaLNResidualModulateOp,
+        qk=qk_norm_rope.QKNormRopeOp,
+        rms=qk_norm_rope.RMSNormOp,
+    )
 
 
 def ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
@@ -61,7 +65,7 @@ def ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Ten
 
 
 def ada_modulate(
-    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int
+    ops: Ops, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``norm(x, temb)`` (an AdaLayerNormZero with ``chunks`` 6, Single with 3) on the
     modulate op: ``x`` normed and modulated by the projection's scale and shift, and the
@@ -72,7 +76,7 @@ def ada_modulate(
 
 
 def mlp_half(
-    ops: AdaLNOps,
+    ops: Ops,
     h: torch.Tensor,
     attn_output: torch.Tensor,
     emb: tuple[torch.Tensor, ...],
@@ -87,3 +91,34 @@ def mlp_half(
         h, attn_output, gate.unsqueeze(1), scale_mlp[:, None], shift_mlp[:, None], norm2.eps
     )
     return ops.residual(h, ff(n), gate_mlp.unsqueeze(1))
+
+
+def zero_norm_problem(block: nn.Module, name: str, single: bool) -> str | None:
+    """Why ``block.<name>`` is not an AdaLayerNormZero (``single``: ...Single) over a
+    LayerNorm without affine, the norm the fused forwards compute, or None."""
+    from diffusers.models import normalization
+
+    cls = normalization.AdaLayerNormZeroSingle if single else normalization.AdaLayerNormZero
+    norm = getattr(block, name, None)
+    if type(norm) is not cls or getattr(norm, "emb", None) is not None:
+        return f"{name} is not an {cls.__name__} over a LayerNorm without affine"
+    if not is_plain_layer_norm(norm.norm):
+        return f"{name} is not an {cls.__name__} over a LayerNorm without affine"
+    return None
+
+
+def norm_out_problems(norm: nn.Module, where: str) -> list[str]:
+    """The output norm ``norm_out_forward`` computes: an AdaLayerNormContinuous over a
+    LayerNorm without affine."""
+    if not is_plain_layer_norm(getattr(norm, "norm", None)):
+        return [f"{where} is not an AdaLayerNormContinuous over a LayerNorm without affine"]
+    return []
+
+
+def norm_out_forward(
+    norm: nn.Module, ops: Ops, x: torch.Tensor, conditioning_embedding: torch.Tensor
+) -> torch.Tensor:
+    """``AdaLayerNormContinuous.forward`` (layer norm without affine) on ditops' op."""
+    emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
+    scale, shift = torch.chunk(emb, 2, dim=1)
+    return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)

@@ -374,3 +374,16 @@ def refuse(model: nn.Module, problems: list[str]) -> None:
         raise PatchError(
             f"ditops.patch refuses this {type(model).__name__}; nothing was changed:\n  - {listed}"
         )
+
+
+#: The model classes of the families that serve sparse attention (``patching`` fills it
+#: from its families), for the refusal the others give.
+SPARSE_MODELS: list[str] = []
+
+
+def refuse_sparse(model: nn.Module, what: str) -> None:
+    """Raise the PatchError of a family without sparse attention asked for it."""
+    raise PatchError(
+        f"sparse attention is supported for {', '.join(SPARSE_MODELS)}, not for "
+        f"{type(model).__name__}; call patch(..., attention=None) to patch its {what} only"
+    )

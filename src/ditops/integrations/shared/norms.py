@@ -17,9 +17,9 @@ from torch import nn
 from ditops.integrations.shared.base import (
     AttrSet,
     ClassSwap,
-    PatchError,
     PatchOptions,
     PatchRecord,
+    refuse_sparse,
 )
 from ditops.integrations.shared.guard import attached_to, own_forward_left
 from ditops.layers.norm import FP32LayerNorm
@@ -89,12 +89,7 @@ class GenericFamily:
 
     def check(self, model: nn.Module, options: PatchOptions) -> None:
         if options.attention is not None:
-            raise PatchError(
-                "sparse attention is supported for WanTransformer3DModel (and VACE, SkyReels-V2, "
-                "ChronoEdit, Wan-Animate) and "
-                "HunyuanVideo(15)Transformer3DModel, not for "
-                f"{type(model).__name__}; call patch(..., attention=None) to patch its norms only"
-            )
+            refuse_sparse(model, "norms")
 
     def apply(
         self, model: nn.Module, plan: Any, record: PatchRecord, options: PatchOptions
