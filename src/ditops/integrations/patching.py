@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
 :func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
-HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+HunyuanVideo, HunyuanVideo-1.5, CogVideoX, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
 from ditops.integrations.flux.family import FLUX
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
@@ -45,6 +46,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(FLUX),
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
+    DeclaredFamily(COGVIDEOX),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]
