@@ -57,6 +57,7 @@ def test_every_family_and_its_classes_are_in_the_families_tables() -> None:
 def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
+    from tests.integrations.test_diffusers_cogvideox import tiny_cogvideox
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
@@ -67,6 +68,7 @@ def _models() -> dict[str, nn.Module]:
         "flux": tiny_flux(),
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
+        "cogvideox": tiny_cogvideox(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

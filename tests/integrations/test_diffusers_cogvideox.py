@@ -1,0 +1,407 @@
+"""ditops.patch on tiny diffusers CogVideoXTransformer3DModels built from keyword arguments.
+
+Three layouts: CogVideoX 1.0 with rotary tables (5B), 1.0 with sin-cos positions and no
+rotary (2B), and 1.5 (``patch_size_t=2``). Parity: exact precision is bitwise equal to
+the unpatched model in fp32, bf16 and fp16 with the fused CPU paths counted per forward
+(a silent fall back to the eager expressions would be trivially equal), norms with and
+without affine parameters; fast precision within tolerance. Sparse attention: dense
+steps bitwise, sparse steps at the density asked (read from the layer) and close to
+dense, every block kept = the dense attention. Then hooks, refusals and a patched
+model's life: unpatch, deep copy, pickle, torch.compile.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations import PatchError
+from tests.integrations.spies import cpu_paths_of
+from tests.precision import max_rel_err
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import CogVideoXTransformer3DModel  # noqa: E402
+from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
+
+FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through the blocks
+
+TEXT = 6  # text tokens (the pipeline pads to max_text_seq_length)
+TINY = dict(
+    num_attention_heads=2,
+    attention_head_dim=16,
+    in_channels=4,
+    out_channels=4,
+    time_embed_dim=24,
+    text_embed_dim=12,
+    num_layers=2,
+    sample_width=8,
+    sample_height=8,
+    sample_frames=9,
+    patch_size=2,
+    max_text_seq_length=6,
+    use_rotary_positional_embeddings=True,
+)
+LAYOUTS = {
+    "v10": {},
+    "v10_2b": {"use_rotary_positional_embeddings": False},
+    "v15": {"patch_size_t": 2, "ofs_embed_dim": 24},
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+MODEL = "CogVideoXTransformer3DModel"
+OPS = ("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "layer_norm_scale_shift",
+       "scale_residual_layer_norm_scale_shift", "rotary_embedding")  # fmt: skip
+
+
+def tiny_cogvideox(
+    dtype: torch.dtype = torch.bfloat16, layout: str = "v10", **overrides: object
+) -> nn.Module:
+    torch.manual_seed(0)
+    model = CogVideoXTransformer3DModel(**{**TINY, **LAYOUTS[layout], **overrides})
+    return model.to(dtype).eval()
+
+
+def inputs(
+    model: nn.Module, batch: int = 1, frames: int = 4, hw: int = 8, timestep: int = 500
+) -> dict:
+    """Latents ``[B, F, C, H, W]``, text, and the rotary tables the pipeline makes."""
+    cfg = model.config
+    dtype = model.dtype
+    g = torch.Generator().manual_seed(1)
+    x = {
+        "hidden_states": torch.randn(batch, frames, 4, hw, hw, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(batch, TEXT, 12, generator=g).to(dtype),
+        "timestep": torch.tensor([timestep] * batch),
+    }
+    if cfg.ofs_embed_dim:
+        x["ofs"] = torch.tensor([2.0] * batch)
+    if cfg.use_rotary_positional_embeddings:
+        side = hw // cfg.patch_size
+        x["image_rotary_emb"] = get_3d_rotary_pos_embed(
+            cfg.attention_head_dim, ((0, 0), (side, side)), (side, side),
+            frames // (cfg.patch_size_t or 1),
+        )  # fmt: skip
+    return x
+
+
+def run(model: nn.Module, name: str | None = None, **kw: torch.Tensor) -> torch.Tensor:
+    """One call; inside ``cache_context(name)`` without a step index, as the pipeline."""
+    with torch.inference_mode():
+        if name is None:
+            return model(**kw, return_dict=False)[0]
+        with model.cache_context(name):
+            return model(**kw, return_dict=False)[0]
+
+
+cpu_paths = cpu_paths_of(*OPS)  # counts the calls reaching each op's forward_cpu
+
+
+def fused_calls(dtype: str, affine: bool, rotary: bool) -> dict[str, int]:
+    """Per forward of 2 blocks and the output norm (see cogvideox.family): residuals on
+    adaln_residual; affine norms on the fp32 chain in fp32 (in bf16/fp16 exact, diffusers'
+    expression); norms without affine on the model-dtype ops; rotary for q and k."""
+    calls = {"rotary_embedding": 2 * 2} if rotary else {}
+    if not affine:
+        return {**calls, "adaln_modulate": 2 * 2 + 1, "adaln_residual_modulate": 2 * 2,
+                "adaln_residual": 2 * 2}  # fmt: skip
+    if dtype == "fp32":
+        chain = {"layer_norm_scale_shift": 2 * 2 + 1, "scale_residual_layer_norm_scale_shift": 4}
+        return {**calls, **chain, "adaln_residual": 2 * 2}
+    return {**calls, "adaln_residual": 2 * 2 * 2}
+
+
+@pytest.mark.parametrize(
+    ("layout", "dtype", "batch"),
+    [("v10", "fp32", 1), ("v10", "bf16", 2), ("v10", "fp16", 2), ("v15", "fp32", 2),
+     ("v15", "bf16", 1), ("v15", "fp16", 1), ("v10_2b", "fp16", 2), ("v10_2b", "fp32", 1)],
+)  # fmt: skip
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    layout: str, dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_cogvideox(DTYPES[dtype], layout)
+    x = inputs(model, batch=batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[MODEL] == {
+        "fused blocks": 2,
+        "fused attention prologues": 2,
+        "fused output norm": 1,
+    }
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == fused_calls(dtype, affine=True, rotary=layout != "v10_2b")
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn1.processor).__name__ == (
+        "CogVideoXAttnProcessor2_0"
+    )
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_norms_without_affine_go_on_the_model_dtype_ops_bitwise(
+    dtype: str, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_cogvideox(DTYPES[dtype], "v15", norm_elementwise_affine=False)
+    x = inputs(model, batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == fused_calls(dtype, affine=False, rotary=True)
+
+
+@pytest.mark.parametrize(("layout", "dtype"), [(lay, d) for lay in ("v10", "v15") for d in DTYPES])
+def test_fast_patch_within_tolerance(layout: str, dtype: str) -> None:
+    model = tiny_cogvideox(DTYPES[dtype], layout)
+    x = inputs(model, batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_a_block_with_a_hook_on_a_bypassed_norm_runs_unfused_bitwise() -> None:
+    model = tiny_cogvideox()
+    x = inputs(model)
+    seen: list[int] = []
+    model.transformer_blocks[1].norm2.norm.register_forward_hook(lambda *_: seen.append(1))
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[MODEL]["fused blocks"] == 1
+    assert report.models[MODEL]["unfused blocks"] == 1
+    why = report.unfused[MODEL]["transformer_blocks.1"]
+    assert "norm2.norm has a torch forward hook" in why
+    seen.clear()
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [1, 1]  # the hook still runs (for the video rows and the text rows)
+
+
+def test_first_block_cache_in_both_orders() -> None:
+    from diffusers import FirstBlockCacheConfig
+
+    def steps(model: nn.Module, x: dict) -> list[torch.Tensor]:
+        model._diffusers_hook.reset_stateful_hooks()
+        with torch.inference_mode():
+            outs = []
+            for i in range(3):
+                with model.cache_context("cond", step_index=i):
+                    t = torch.tensor([900 - i])
+                    outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
+        return outs
+
+    cache = FirstBlockCacheConfig(threshold=0.2)
+    plain = tiny_cogvideox()
+    x = inputs(plain)
+    plain.enable_cache(cache)
+    want = steps(plain, x)
+    patch_first = tiny_cogvideox()
+    ditops.patch(patch_first, precision="exact")
+    patch_first.enable_cache(cache)
+    assert all(torch.equal(a, b) for a, b in zip(steps(patch_first, x), want))
+    hook_first = tiny_cogvideox()
+    hook_first.enable_cache(cache)
+    ditops.patch(hook_first, precision="exact")
+    assert all(torch.equal(a, b) for a, b in zip(steps(hook_first, x), want))
+
+
+def test_a_norm_of_the_users_leaves_its_block_unfused() -> None:
+    class MyLayerNorm(nn.LayerNorm):
+        pass
+
+    model = tiny_cogvideox()
+    model.transformer_blocks[0].norm1.norm = MyLayerNorm(32).bfloat16()
+    x = inputs(model)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    why = report.unfused[MODEL]["transformer_blocks.0"]
+    assert "norm1.norm is a MyLayerNorm, not an nn.LayerNorm" in why
+    assert torch.equal(run(model, **x), ref)
+
+
+def _changed(fn):
+    def changed(*args, **kwargs):
+        return fn(*args, **kwargs)
+
+    return changed
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "fragment"),
+    [
+        ("normalization.CogVideoXLayerNormZero", "forward",
+         r"CogVideoXLayerNormZero.forward of diffusers .* differs"),
+        ("cogvideox_transformer_3d.CogVideoXBlock", "forward",
+         r"transformer_blocks\[0\] is a CogVideoXBlock whose forward .* none ditops knows"),
+        ("attention_processor.CogVideoXAttnProcessor2_0", "__call__",
+         r"attn1.processor CogVideoXAttnProcessor2_0.__call__ .* differs"),
+        ("embeddings", "apply_rotary_emb", r"apply_rotary_emb of diffusers .* differs"),
+    ],
+)  # fmt: skip
+def test_a_changed_diffusers_forward_is_refused_changing_nothing(
+    monkeypatch: pytest.MonkeyPatch, owner: str, name: str, fragment: str
+) -> None:
+    import importlib
+
+    module, _, cls = owner.partition(".")
+    package = "transformers." if module.startswith("cogvideox") else ""
+    where = importlib.import_module(f"diffusers.models.{package}{module}")
+    target = getattr(where, cls) if cls else where
+    monkeypatch.setattr(target, name, _changed(getattr(target, name)))
+    model = tiny_cogvideox()
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+
+
+def test_diffusers_fused_qkv_processor_is_kept_and_refused_for_sparse() -> None:
+    model = tiny_cogvideox(torch.float32)
+    x = inputs(model)
+    model.fuse_qkv_projections()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[MODEL]["attention processors kept"] == 2
+    assert torch.equal(run(model, **x), ref)
+    with pytest.raises(PatchError, match="FusedCogVideoXAttnProcessor2_0, not"):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_is_independent_and_pickles() -> None:
+    model = tiny_cogvideox(layout="v15")
+    x = inputs(model, batch=2)
+    ditops.patch(model, precision="exact")
+    before = run(model, **x)
+    twin = copy.deepcopy(model)
+    assert torch.equal(run(twin, **x), before)
+    with torch.no_grad():
+        for block in twin.transformer_blocks:
+            block.norm1.norm.weight.mul_(0.5)
+    changed = run(twin, **x)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(model, **x), before)  # and the original is untouched
+    ditops.unpatch(twin)
+    assert torch.equal(run(twin, **x), changed)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(run(loaded, **x), before)
+    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+
+
+def test_patching_again_switches_precision() -> None:
+    model = tiny_cogvideox()
+    x = inputs(model, batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    assert not torch.equal(run(model, **x), ref)  # the fp32 chain rounds once in bf16
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["v10", "v15"])
+def test_compiled_patched_model_gives_the_same_output(layout: str) -> None:
+    """fullgraph, aot_eager (dynamo and AOT tracing through the kernels' fake
+    implementations; no inductor code generation), fp32 (the fp32 chain's ops)."""
+    torch._dynamo.reset()
+    model = tiny_cogvideox(torch.float32, layout, num_layers=1)
+    x = inputs(model)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    assert torch.equal(run(compiled, **x), ref)
+    torch._dynamo.reset()
+
+
+# --- sparse attention ------------------------------------------------------------------------
+
+#: 512 video tokens: 8 token frames of 8 x 8 (1.5 patches 2 latent frames into one). The
+#: text and the first frame are dense: 5 of 33 key blocks.
+SPARSE_VIDEO = {"v10": dict(frames=8, hw=16), "v15": dict(frames=16, hw=16)}
+VIDEO = 512
+
+
+@pytest.fixture
+def estimates() -> list:
+    from ditops.ops.estimate_block_mask import estimate_block_mask
+
+    calls: list = []
+    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
+    yield calls
+    hook.remove()
+
+
+@pytest.mark.parametrize(("layout", "norms"), [("v10", True), ("v15", True), ("v15", False)])
+def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
+    layout: str, norms: bool, estimates: list
+) -> None:
+    """As CogVideoXPipeline calls it: guidance batched (batch 2) in
+    ``cache_context("cond_uncond")`` without a step index, the step counted from the
+    timesteps; sparse from step 1."""
+    model = tiny_cogvideox(layout=layout)
+    x = inputs(model, batch=2, **SPARSE_VIDEO[layout])
+    later = {**x, "timestep": torch.tensor([400] * 2)}
+    ref, ref_later = run(model, **x), run(model, **later)
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+    report = ditops.patch(model, precision="exact", norms=norms, attention=cfg)
+    assert report.models[MODEL]["sparse self-attentions"] == 2
+    assert report.models[MODEL].get("fused blocks", 0) == (2 if norms else 0)
+    assert torch.equal(run(model, "cond_uncond", **x), ref)  # step 0: dense, bitwise
+    assert estimates == []
+    sparse = run(model, "cond_uncond", **later)  # step 1 (its timestep is lower): sparse
+    assert model._ditops_steps.current() == 1
+    assert len(estimates) == 2 * 2  # every block, every sample
+    key_blocks = -(-(VIDEO + TEXT) // 16)
+    for block in model.transformer_blocks:  # the density the layer reports: the one asked
+        reported = block.attn1.processor.sparse.last_density()
+        assert reported.block_density == pytest.approx(0.5, abs=1 / (32 * key_blocks))
+    # half the blocks dropped in both blocks: the output's direction (cosine) within 1e-3
+    # of dense (measured 1 - 3e-5 for 1.0, 1 - 5e-5 for 1.5); not bitwise, and not an
+    # elementwise bound: a dropped block moves a few outputs by a lot, not all of them
+    cos = torch.nn.functional.cosine_similarity(
+        sparse.float().flatten(), ref_later.float().flatten(), 0
+    )
+    assert not torch.equal(sparse, ref_later)
+    assert cos > 0.999, cos
+    assert torch.equal(run(model, "cond_uncond", **x), ref)  # a new pipeline call: dense
+
+
+@pytest.mark.parametrize("layout", ["v10", "v15"])
+def test_sparse_path_with_every_block_kept_is_the_dense_attention(
+    monkeypatch: pytest.MonkeyPatch, layout: str
+) -> None:
+    """fp32, the estimate replaced by one keeping every block: the split by queries and the
+    text keys first give the unpatched model's attention (fp32 attention's tolerance), and
+    the leading dense blocks cover the text and the first frame."""
+    from ditops.attention.block_mask import num_blocks
+    from ditops.layers.sparse_attention import BlockSparseAttention
+
+    seen = []
+
+    def keep_all(self, q, k, *, layout, scale, dense_blocks, **_):
+        (b, lq, h, _), lk = q.shape, k.shape[1]
+        seen.append((lq, lk, dense_blocks))
+        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
+        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
+        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
+
+    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
+    model = tiny_cogvideox(torch.float32, layout)
+    x = inputs(model, **SPARSE_VIDEO[layout])
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
+    out = run(model, "cond", **x)
+    assert seen == [(VIDEO, VIDEO + TEXT, -(-(TEXT + 64) // 16))] * 2
+    assert max_rel_err(out, ref) < 1e-5
