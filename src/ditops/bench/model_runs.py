@@ -138,3 +138,64 @@ def timing_summary(
         "median_attention_seconds": statistics.median(attention[name]),
         "speedup": statistics.median(u / t for u, t in zip(times[baseline], times[name])),
     }
+
+
+def variant_summaries(
+    variants: Sequence[tuple[str, dict[str, Any]]],
+    outputs: dict[str, torch.Tensor],
+    times: dict[str, list[float]],
+    attention: dict[str, list[float]],
+    densities: dict[str, list[float]],
+) -> list[dict[str, Any]]:
+    """Per variant (``(name, patch options)``, ``"unpatched"`` the baseline): the timing
+    summary, the attention's speedup, the block density asked (``options["attention"]``)
+    and realised (the mean of ``densities``), and the drift of its output from the
+    unpatched one (max abs relative to its peak, cosine, PSNR; bitwise equal or not)."""
+    from ditops.bench.harness import drift
+
+    peak = float(outputs["unpatched"].double().abs().max()) or 1.0
+    summary = []
+    for name, options in variants:
+        max_abs, cosine, psnr = drift(outputs[name], outputs["unpatched"])
+        cfg = options.get("attention")
+        summary.append({
+            **timing_summary(name, times, attention),
+            "attention_speedup": statistics.median(
+                u / t for u, t in zip(attention["unpatched"], attention[name])
+            ),
+            "requested_density": None if cfg is None else 1 - cfg.sparsity,
+            "realised_density": statistics.fmean(densities[name]) if densities[name] else None,
+            "max_rel": max_abs / peak,
+            "cosine": cosine,
+            "psnr_db": psnr,
+            "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
+        })  # fmt: skip
+    return summary
+
+
+def print_variant_rows(summary: list[dict[str, Any]], out: Any) -> None:
+    """The table of :func:`variant_summaries`, one row per variant, and what it means."""
+
+    def f(v: float | None, spec: str) -> str:
+        return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
+
+    print(
+        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
+        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
+        file=out,
+    )
+    for s in summary:
+        print(
+            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
+            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
+            f"{s['attention_speedup']:>6.2f} {f(s['requested_density'], '5.2f')} "
+            f"{f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
+            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
+            file=out,
+        )
+    print(
+        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
+        "and of the attention modules to unpatched; asked/run: block density of the video "
+        "queries' maps, forced blocks included; drift against the unpatched output)",
+        file=out,
+    )

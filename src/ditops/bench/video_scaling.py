@@ -1,6 +1,6 @@
 """How a video DiT forward's cost grows with the video, and what sparse attention buys.
 
-``python -m ditops.bench.video_scaling [--family hunyuan_video|wan] [--tokens 8192 16384
+``python -m ditops.bench.video_scaling [--family hunyuan_video|wan|cogvideox] [--tokens 8192 16384
 32768] [--sparsity 0.75]`` builds a one-block model of the family's geometry and, per video
 length (latent frames of 16 x 24 tokens, the nearest whole number of frames), times
 unpatched and ``exact`` + block-sparse attention in turns: the forward, the attention
@@ -15,13 +15,18 @@ module(s) timed and their share of the forward.
   :func:`ditops.bench.wan_model.build_model`), 512 text tokens; the module timed is the
   **self-attention** ``attn1`` alone (projections, q/k norm and rope, attention, output):
   the cross-attention to the text counts in the rest.
+* ``cogvideox``: a one-block ``CogVideoXTransformer3DModel`` of CogVideoX-5B's geometry
+  in the 1.0 layout (head dim 64, 4 heads, :mod:`ditops.bench.cogvideox`'s small config),
+  226 text tokens first; the module timed is the joint attention ``attn1``.
 
 Then a **projection, not a measurement**: the unpatched attention time is fitted as
 ``a * N^2`` and the rest as ``b * N`` (least squares over the lengths measured), the
 sparse attention module's speedup is taken from the longest length measured, and
 Amdahl's law gives the forward's speedup at the family's 480p and 720p token counts
 (HunyuanVideo, 129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens; Wan, 81
-frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens).
+frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens; CogVideoX-5B at 49 frames of
+480 x 720: 13 latent frames of 30 x 45 tokens, CogVideoX1.5-5B at 81 frames of 768 x
+1360: 11 token frames of 48 x 85, temporal patch 2).
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any
 
 import torch
 
+from ditops.bench import cogvideox as cv
 from ditops.bench import hunyuan_video as hv
 from ditops.bench import wan, wan_model
 from ditops.bench.model_runs import timed_forward
@@ -44,6 +50,8 @@ FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 TARGETS = {"480p (848x480)": 33 * 30 * 53, "720p (1280x720)": 33 * 45 * 80}
 #: Wan's video tokens at 81 frames (21 latent frames), 480p and 720p.
 WAN_TARGETS = {"480p (832x480)": 21 * 30 * 52, "720p (1280x720)": 21 * 45 * 80}
+#: CogVideoX-5B's video tokens at 49 frames, 720x480; CogVideoX1.5-5B's at 81, 1360x768.
+COGVIDEOX_TARGETS = {"1.0 (720x480)": 13 * 30 * 45, "1.5 (1360x768)": 11 * 48 * 85}
 
 
 @dataclass(frozen=True)
@@ -96,6 +104,18 @@ FAMILIES: dict[str, Family] = {
         default_dtype=wan_model.default_dtype,
         targets=WAN_TARGETS,
         text_tokens=wan.TEXT_TOKENS,
+    ),
+    "cogvideox": Family(
+        model="CogVideoX-5B geometry (1.0 layout), 1 block",
+        config=lambda o: {**cv.BASE_CONFIG, **cv.SIZES["small"]["config"], **o},
+        build=lambda device, dtype, config: cv.build_model(device, dtype, **config),
+        inputs=lambda config, latent, text, device, dtype: cv.make_inputs(
+            {**config, "max_text_seq_length": text}, latent, device, dtype),
+        attention=lambda model: [b.attn1 for b in model.transformer_blocks],
+        patch=lambda config: (config["patch_size"], config["patch_size"]),
+        default_dtype=hv.default_dtype,
+        targets=COGVIDEOX_TARGETS,
+        text_tokens=226,
     ),
 }  # fmt: skip
 
