@@ -27,7 +27,6 @@ bf16, or fp32 on a CPU whose bf16 matmuls are a slow fallback.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from typing import Any
 
@@ -37,8 +36,9 @@ from ditops.bench.model_runs import (
     ModuleTimer,
     build_seeded,
     interleaved_forwards,
+    print_variant_rows,
     size_config,
-    timing_summary,
+    variant_summaries,
 )
 
 BASE_CONFIG: dict[str, Any] = {
@@ -161,7 +161,6 @@ def run(
     ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
     entries of the model config.
     """
-    from ditops.bench.harness import drift
     from ditops.integrations import patch, unpatch
 
     spec, config = size_config("hunyuan_video", SIZES, size, BASE_CONFIG, overrides)
@@ -184,27 +183,6 @@ def run(
     )  # fmt: skip
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
     densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
-    peak = float(outputs["unpatched"].double().abs().max()) or 1.0
-    summary = []
-    for name, options in variants:
-        max_abs, cosine, psnr = drift(outputs[name], outputs["unpatched"])
-        cfg = options.get("attention")
-        summary.append(
-            {
-                **timing_summary(name, times, attn),
-                "attention_speedup": statistics.median(
-                    u / t for u, t in zip(attn["unpatched"], attn[name])
-                ),
-                "requested_density": None if cfg is None else 1 - cfg.sparsity,
-                "realised_density": (
-                    statistics.fmean(densities[name]) if densities[name] else None
-                ),
-                "max_rel": max_abs / peak,
-                "cosine": cosine,
-                "psnr_db": psnr,
-                "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
-            }
-        )
     frames, h, w = latent
     p = config["patch_size"]
     return {
@@ -218,12 +196,8 @@ def run(
         "rounds": rounds,
         "seconds": times,
         "attention_seconds": attn,
-        "summary": summary,
+        "summary": variant_summaries(variants, outputs, times, attn, densities),
     }
-
-
-def _f(v: float | None, spec: str) -> str:
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
 
 
 def print_report(result: dict[str, Any], out: Any = None) -> None:
@@ -238,26 +212,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         "interleaved rounds",
         file=out,
     )
-    print(
-        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
-        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
-        file=out,
-    )
-    for s in result["summary"]:
-        print(
-            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
-            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
-            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
-            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
-            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
-            file=out,
-        )
-    print(
-        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
-        "and of the attention modules to unpatched; asked/run: block density of the video "
-        "queries' maps, forced blocks included; drift against the unpatched output)",
-        file=out,
-    )
+    print_variant_rows(result["summary"], out)
 
 
 def cli(
