@@ -311,17 +311,23 @@ def test_patching_again_switches_precision() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["v10", "v15"])
-def test_compiled_patched_model_gives_the_same_output(layout: str) -> None:
+@pytest.mark.parametrize(("layout", "dtype", "precision"),
+                         [("v10", "fp32", "exact"), ("v15", "bf16", "fast")])  # fmt: skip
+def test_compiled_patched_model_gives_the_same_output(
+    layout: str, dtype: str, precision: str
+) -> None:
     """fullgraph, aot_eager (dynamo and AOT tracing through the kernels' fake
-    implementations; no inductor code generation), fp32 (the fp32 chain's ops)."""
+    implementations; no inductor code generation): the fp32 chain's ops (fp32), and in
+    bf16 the choice of chain made from the precision in force, traced."""
     torch._dynamo.reset()
-    model = tiny_cogvideox(torch.float32, layout, num_layers=1)
+    model = tiny_cogvideox(DTYPES[dtype], layout, num_layers=1)
     x = inputs(model)
     ref = run(model, **x)
-    ditops.patch(model, precision="exact")
+    ditops.patch(model, precision=precision)
+    eager = run(model, **x)
+    assert torch.equal(eager, ref) == (precision == "exact")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    assert torch.equal(run(compiled, **x), ref)
+    assert torch.equal(run(compiled, **x), eager)
     torch._dynamo.reset()
 
 
@@ -357,6 +363,7 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
     cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
     report = ditops.patch(model, precision="exact", norms=norms, attention=cfg)
     assert report.models[MODEL]["sparse self-attentions"] == 2
+    assert model._ditops_steps.patch_size == ((2, 2, 2) if layout == "v15" else (1, 2, 2))
     assert report.models[MODEL].get("fused blocks", 0) == (2 if norms else 0)
     assert torch.equal(run(model, "cond_uncond", **x), ref)  # step 0: dense, bitwise
     assert estimates == []
@@ -405,3 +412,21 @@ def test_sparse_path_with_every_block_kept_is_the_dense_attention(
     out = run(model, "cond", **x)
     assert seen == [(VIDEO, VIDEO + TEXT, -(-(TEXT + 64) // 16))] * 2
     assert max_rel_err(out, ref) < 1e-5
+
+
+def test_a_call_with_a_mask_runs_dense_on_a_sparse_step(caplog: pytest.LogCaptureFixture) -> None:
+    """The model passes no mask; a caller's mask is honoured: diffusers' processor, dense,
+    with a warning (block-sparse attention takes no mask)."""
+    model = tiny_cogvideox(torch.float32)
+    x = inputs(model)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=16))
+    attn = model.transformer_blocks[0].attn1
+    g = torch.Generator().manual_seed(2)
+    h, e = torch.randn(1, 64, 32, generator=g), torch.randn(1, TEXT, 32, generator=g)
+    mask = torch.ones(1, 64 + TEXT, dtype=torch.bool)
+    mask[:, :2] = False
+    with ditops.set_step(model, 3), torch.inference_mode():
+        got = attn.processor(attn, h, e, mask, x["image_rotary_emb"])
+        want = attn.processor.original(attn, h, e, mask, x["image_rotary_emb"])
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert "runs dense attention with the mask on sparse steps" in caplog.text
