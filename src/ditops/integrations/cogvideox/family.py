@@ -145,6 +145,10 @@ def _patch_size(model: nn.Module) -> tuple[int, int, int] | None:
 SPEC = FamilySpec(
     name="cogvideox",
     model_classes=("CogVideoXTransformer3DModel",),
+    summary=(
+        "fused gated residuals and modulated norms (affine: fp32, or fast precision), rotary "
+        "of the video rows, optional block-sparse attention (1.0 and 1.5)"
+    ),
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -166,6 +170,6 @@ SPEC = FamilySpec(
         {"e05d19adb3d69e29": DIFFUSERS_042},
         keep_others=True,  # diffusers' fused-QKV processor (or the user's) stays
     ),
-    sparse=Sparse(_patch_size),
+    sparse=Sparse(_patch_size, context_parallel=False),  # its processor calls SDPA itself
     relied_on=_relied_on,
 )  # fmt: skip
