@@ -109,3 +109,18 @@ def test_a_call_with_a_mask_runs_dense_on_a_sparse_step(caplog: pytest.LogCaptur
         want = attn.processor.original(attn, h, e, mask, x["image_rotary_emb"])
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert "runs dense attention with the mask on sparse steps" in caplog.text
+
+
+def test_sparse_under_a_context_parallel_config_is_refused_at_patch() -> None:
+    """CogVideoX's processor calls SDPA itself (diffusers gives it no context-parallel
+    plan): a processor carrying a parallel config is refused for sparse attention,
+    changing nothing; the dense patch is still served."""
+    from ditops.integrations import PatchError
+
+    model = tiny_cogvideox()
+    for block in model.transformer_blocks:
+        block.attn1.processor._parallel_config = object()  # a stand-in
+    with pytest.raises(PatchError, match="sparse attention under context parallelism"):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+    assert not hasattr(model, "_ditops_patch")
+    assert ditops.patch(model).models[MODEL]["fused blocks"] == 2
