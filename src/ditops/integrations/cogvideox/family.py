@@ -43,13 +43,16 @@ What ditops runs (:mod:`~ditops.integrations.cogvideox.forwards`):
 * the attention prologue: the rotary embedding of the video rows on
   :func:`~ditops.ops.qk_norm_rope.rotary_embedding` (bit for bit ``apply_rotary_emb`` with
   fp32 tables). The q/k norms stay the model's own ``nn.LayerNorm`` calls:
-  ``qk_norm_rope`` and ``rms_norm`` are RMSNorms, not a LayerNorm with mean and bias;
+  ``qk_norm_rope`` and ``rms_norm`` are RMSNorms, not a LayerNorm with mean and bias.
+  CogVideoX-2B has no rotary tables (sin-cos positions in the patch embedding): its
+  dense calls run diffusers' processor, nothing of them fused;
 * sparse steps (``attention=BlockSparseConfig(...)``): text queries dense over every key,
   video queries block-sparse over [text keys, video keys] with the text and the first
   latent frame's keys dense (:mod:`~ditops.integrations.shared.joint_sparse`); the patch
   size is ``(patch_size_t or 1, patch_size, patch_size)``. ``CogVideoXPipeline`` enters
   ``cache_context("cond_uncond")`` without a step index, guidance batched: the step is
-  counted from the timesteps, each sample keeps its mask under its own branch.
+  counted from the timesteps, each sample keeps its mask under its own branch. Under a
+  context-parallel config sparse attention is refused (the processor calls SDPA itself).
 
 In exact precision the patched model is bitwise the unpatched one. Before changing
 anything the skeleton (:mod:`~ditops.integrations.shared.family`) checks the blocks,
