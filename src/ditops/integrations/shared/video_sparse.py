@@ -1,0 +1,195 @@
+"""Video self-attention, block-sparse on sparse steps, for models whose latents enter
+already packed into tokens (LTX-Video, LTX-2).
+
+Wan and HunyuanVideo take the latent video ``[B, C, F, H, W]`` and patchify it inside the
+model, so :class:`~ditops.integrations.shared.steps.LatentShapeRecorder` reads the video's
+shape from ``hidden_states``. LTX's pipelines pack the latents before the call (tokens in
+``(frame, height, width)`` order) and pass the grid as ``num_frames``, ``height`` and
+``width``: :class:`GridRecorder` records it from those arguments, and counts the
+denoising step from the call's timestep by the parameter's name (LTX's pipelines enter
+``cache_context("cond_uncond")`` without a step index). :class:`GridFamily` is a
+:class:`~ditops.integrations.shared.family.DeclaredFamily` that installs one with the
+sparse attention.
+
+:class:`VideoSelfAttention` is the attention a family's self-attention processor runs
+once it has ``q``, ``k``, ``v`` (``[B, S, H, D]``): dense as diffusers dispatches it (the
+wrapped processor's backend and context-parallel config), or ditops'
+:class:`~ditops.layers.sparse_attention.BlockSparseAttention` on the sparse steps with the
+first frame's blocks dense; under diffusers' context parallelism sparse steps exchange
+q/k/v so each rank attends over the whole sequence for its heads (as Wan's processor).
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.shared.base import PatchOptions, PatchRecord, TorchHook, WrappingProcessor
+from ditops.integrations.shared.family import DeclaredFamily, Plan
+from ditops.integrations.shared.parallel import (
+    attend_across_ranks,
+    check_method_per_rank,
+    context_parallel_of,
+)
+from ditops.integrations.shared.steps import StepState, runs_dense
+from ditops.tracing import refuse_under_fullgraph, traced
+
+logger = logging.getLogger("ditops")
+
+#: The arguments naming the token grid of a packed video, in LTX's spelling.
+GRID = ("num_frames", "height", "width")
+
+
+class GridRecorder:
+    """Forward pre-hook of a model taking packed tokens: the call's latent grid into
+    ``state.latent_shape`` (``(B, 0, F, H, W)``; None when the call gives no grid, e.g.
+    LTX's ``video_coords``) and, when the call brings no step index, the step counted from
+    its timestep (``StepState.count``). Arguments are read by name, positional ones too
+    (``params``: the names of the model's forward parameters after ``self``)."""
+
+    def __init__(
+        self, state: StepState, params: tuple[str, ...], grid: tuple[str, ...] = GRID,
+        tokens: str = "hidden_states", timestep: str = "timestep",
+    ) -> None:  # fmt: skip
+        self.state = state
+        self.params = params
+        self.grid = grid
+        self.tokens = tokens
+        self.timestep = timestep
+
+    def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        given = dict(zip(self.params, args))
+        given.update(kwargs)
+        tokens = given.get(self.tokens)
+        sizes = [given.get(name) for name in self.grid]
+        shape = None
+        if isinstance(tokens, torch.Tensor) and all(isinstance(s, int) for s in sizes):
+            shape = (int(tokens.shape[0]), 0, *sizes)
+        self.state.latent_shape = shape
+        if self.state.step is not None:
+            return
+        if traced():
+            refuse_under_fullgraph(
+                f"ditops: {type(module).__name__} with sparse attention counts its denoising "
+                "steps from the timestep when a call brings no step index (a host read, a "
+                "graph break), so it cannot compile with fullgraph=True. Give the step "
+                "(model.cache_context(name, step_index=i) around each call), or compile "
+                "with fullgraph=False."
+            )
+        timestep = given.get(self.timestep)
+        if isinstance(timestep, torch.Tensor) and timestep.numel():
+            self.state.count(float(timestep.float().mean()))
+        else:
+            self.state.counted = None
+
+
+class GridFamily(DeclaredFamily):
+    """Packed-token video models: fused blocks and self-attention prologue, optional
+    block-sparse video self-attention.
+
+    A :class:`~ditops.integrations.shared.family.DeclaredFamily` that also installs a
+    :class:`GridRecorder` with sparse attention. Its spec's ``Sparse.count_steps`` is
+    False: the recorder counts (by the timestep's name, not its position)."""
+
+    def apply(
+        self, model: nn.Module, plan: Plan, record: PatchRecord, options: PatchOptions
+    ) -> None:
+        super().apply(model, plan, record, options)
+        state = vars(model).get("_ditops_steps")
+        if options.attention is not None and state is not None:
+            params = tuple(inspect.signature(type(model).forward).parameters)[1:]
+            record.add(TorchHook.register(model, GridRecorder(state, params)))
+
+
+class VideoSelfAttention(WrappingProcessor):
+    """Base of a packed-video self-attention processor: ``cls(original, ops=..., steps=...,
+    sparse=...)`` and :meth:`attend` (see the module docstring). ``ops`` None (built by a
+    loader, or ``norms=False``): the subclass runs diffusers' prologue."""
+
+    def __init__(
+        self, original: Any, ops: Any = None, steps: StepState | None = None,
+        sparse: nn.Module | None = None,
+    ) -> None:  # fmt: skip
+        if sparse is not None and steps is None:
+            raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
+        super().__init__(original)
+        self.ops = ops
+        self.steps = steps
+        self.sparse = sparse
+
+    def own_attention(self) -> bool:
+        """Whether :meth:`attend` computes this call's attention itself (a sparse step, or
+        any step under Ring attention with sparsity: the exchange is ditops' then);
+        otherwise dense attention is diffusers' ``dispatch_attention_fn`` as the wrapped
+        processor calls it, and without a fused prologue the original runs whole."""
+        if not runs_dense(self.sparse, self.steps):
+            return True
+        cp = context_parallel_of(self._parallel_config)
+        return self.sparse is not None and cp is not None and cp.ring_degree > 1
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Self-attention of ``[B, S, H, D]`` q/k/v (this rank's sequence shard under
+        context parallelism), ``[B, S, H, D]`` out."""
+        if not self.own_attention():
+            return self._dispatch_dense(q, k, v)
+        dense = runs_dense(self.sparse, self.steps)
+        attend = self._dense if dense else self._sparse
+        cp = context_parallel_of(self._parallel_config)
+        if cp is None:
+            return attend(q, k, v)
+        if not dense:
+            check_method_per_rank(self.sparse.config.method)  # type: ignore[union-attr]
+        return attend_across_ranks(cp, q, k, v, attend)
+
+    def _dense(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(
+            q, k, v, dropout_p=0.0, is_causal=False, backend=self._attention_backend
+        )
+
+    def _sparse(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Estimate + block-sparse attention over the whole sequence, the first frame's
+        blocks dense when the call's grid is known and matches the sequence."""
+        assert self.sparse is not None and self.steps is not None
+        return self.sparse(
+            q,
+            k,
+            v,
+            layout="BSND",
+            step=self.steps.current(),
+            branch=self.steps.branch,
+            dense_blocks=self.first_frame_blocks(int(q.shape[1])),
+        )
+
+    def first_frame_blocks(self, tokens: int) -> int | None:
+        """The blocks covering the first frame, from the recorded grid and the model's
+        patch size; None (and a warning, once) when the call gave no grid or the grid does
+        not make ``tokens`` tokens."""
+        from ditops.attention.schedule import first_frame_dense_blocks
+
+        assert self.steps is not None and self.sparse is not None
+        shape, patch = self.steps.latent_shape, self.steps.patch_size
+        if shape is not None:
+            grid = [s // p for s, p in zip(shape[-3:], patch[-3:])]
+            if grid[0] * grid[1] * grid[2] == tokens:
+                return first_frame_dense_blocks(shape, patch, self.sparse.config.block_size)
+        _warn_once(
+            f"ditops: {type(self).__name__}: a sparse step whose call gives no (num_frames, "
+            "height, width) grid of its tokens (video_coords, or conditioning tokens added) "
+            "runs without the first frame's blocks kept dense"
+        )
+        return None
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED and not traced():
+        _WARNED.add(message)
+        logger.warning(message)
