@@ -25,6 +25,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.flux.family import FLUX
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
+from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -47,6 +48,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     LTXVideoFamily,
+    LTX2Family,
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

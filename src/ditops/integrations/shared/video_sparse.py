@@ -178,7 +178,7 @@ class VideoSelfAttention(WrappingProcessor):
             grid = [s // p for s, p in zip(shape[-3:], patch[-3:])]
             if grid[0] * grid[1] * grid[2] == tokens:
                 return first_frame_dense_blocks(shape, patch, self.sparse.config.block_size)
-        _warn_once(
+        warn_once(
             f"ditops: {type(self).__name__}: a sparse step whose call gives no (num_frames, "
             "height, width) grid of its tokens (video_coords, or conditioning tokens added) "
             "runs without the first frame's blocks kept dense"
@@ -189,7 +189,8 @@ class VideoSelfAttention(WrappingProcessor):
 _WARNED: set[str] = set()
 
 
-def _warn_once(message: str) -> None:
+def warn_once(message: str) -> None:
+    """Log ``message`` (WARNING, ``ditops``) once per process."""
     if message not in _WARNED and not traced():
         _WARNED.add(message)
         logger.warning(message)
