@@ -395,3 +395,29 @@ def test_sparse_call_without_a_grid_runs_without_dense_first_frame(
     assert "first frame's blocks" in caplog.text
     assert len(estimates) == 2
     assert all(abs(d - 0.5) <= 1 / 16 for d in _densities(estimates))
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The patched model with every fused op on its Triton path (CPU tensors through
+    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
+    precision, against the unpatched model; attention itself runs diffusers' SDPA."""
+    from ditops import config
+    from ditops.custom_op import reset_state
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+    from tests.integrations.spies import install_spies
+
+    model = tiny_ltx(num_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            ops = (qk_norm_rope.RMSNormOp, adaln.AdaLNResidualOp, qk_norm_rope.QKNormRopeOp)
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert used == {"rms_norm": 2, "adaln_residual": 2, "qk_norm_rope": 1}
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
