@@ -88,9 +88,11 @@ def _block_unfused(block: nn.Module, where: str) -> list[str]:
     return norm_problems(block, BLOCK_BYPASSES)
 
 
-LTX2 = FamilySpec(
+SPEC = FamilySpec(
     name="ltx2",
     model_classes=("LTX2VideoTransformer3DModel",),
+    summary="the video stream's fused RMSNorm / gated-residual chain and self-attention "
+    "prologue (audio stream as diffusers runs it), optional block-sparse video self-attention",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -113,4 +115,4 @@ LTX2 = FamilySpec(
 
 #: diffusers' ``LTX2VideoTransformer3DModel``: the video stream's fused blocks and
 #: self-attention prologue, optional block-sparse video self-attention.
-LTX2Family = GridFamily(LTX2)
+LTX2Family = GridFamily(SPEC)

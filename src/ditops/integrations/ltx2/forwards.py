@@ -11,10 +11,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.ltx_video.forwards import PROLOGUE_BYPASS
+from ditops.integrations.ltx_video.forwards import LTXSelfAttnProcessor, whole_row_qk
 from ditops.integrations.shared.guard import float64_call
 from ditops.integrations.shared.ops import Ops
-from ditops.integrations.shared.video_sparse import VideoSelfAttention, warn_once
+from ditops.integrations.shared.video_sparse import warn_once
 
 #: What the fused block computes without calling it: the video stream's norms.
 BLOCK_BYPASSES = ("norm1", "norm2", "audio_to_video_norm", "norm3")
@@ -147,7 +147,7 @@ def block_forward(
     return h, ah
 
 
-class LTX2SelfAttnProcessor(VideoSelfAttention):
+class LTX2SelfAttnProcessor(LTXSelfAttnProcessor):
     """diffusers' ``LTX2AudioVideoAttnProcessor`` on LTX-2's video self-attention
     (``attn1``): the prologue on ditops' ``qk_norm_rope`` when ``ops`` is given and the
     rotary is interleaved (``[B, S, H * D]`` tables), block-sparse attention on the sparse
@@ -164,18 +164,6 @@ class LTX2SelfAttnProcessor(VideoSelfAttention):
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_ltx2", "LTX2AudioVideoAttnProcessor")
-
-    def __init__(
-        self, original: Any | None = None, ops: Ops | None = None, steps: Any = None,
-        sparse: nn.Module | None = None,
-    ) -> None:  # fmt: skip
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers.transformer_ltx2 import (
-                LTX2AudioVideoAttnProcessor,
-            )
-
-            original = LTX2AudioVideoAttnProcessor()
-        super().__init__(original, ops=ops, steps=steps, sparse=sparse)
 
     def __call__(
         self,
@@ -204,13 +192,8 @@ class LTX2SelfAttnProcessor(VideoSelfAttention):
                     "takes no mask"
                 )
             return self.original(*args)
-        cos = query_rotary_emb[0]
-        prologue = (
-            self.ops is not None
-            and attn.rope_type == "interleaved"
-            and cos.dim() == 3
-            and tuple(cos.shape[1:]) == (hidden_states.shape[1], attn.inner_dim)
-            and PROLOGUE_BYPASS.problem(attn) is None
+        prologue = attn.rope_type == "interleaved" and self._fused_prologue(
+            attn, hidden_states, query_rotary_emb
         )
         if not prologue and not own:
             return self.original(*args)
@@ -223,13 +206,7 @@ class LTX2SelfAttnProcessor(VideoSelfAttention):
         key = attn.to_k(hidden_states)
         value = attn.to_v(hidden_states)
         if prologue:
-            # As LTX-Video's: one "head" of H * D (the norm and the tables span all heads).
-            cos, sin = (t.to(torch.float32).unsqueeze(2) for t in query_rotary_emb)
-            nq, nk = attn.norm_q, attn.norm_k
-            query, key = self.ops.qk(  # type: ignore[union-attr]
-                query.unsqueeze(2), key.unsqueeze(2), nq.weight, nk.weight, cos, sin, nq.eps
-            )
-            query, key = query.squeeze(2), key.squeeze(2)
+            query, key = whole_row_qk(self.ops, attn, query, key, query_rotary_emb)
         else:
             rotate = (t2.apply_interleaved_rotary_emb if attn.rope_type == "interleaved"
                       else t2.apply_split_rotary_emb)  # fmt: skip

@@ -126,9 +126,11 @@ def patch_size(model: nn.Module) -> tuple[int, int, int] | None:
     return (t, s, s)
 
 
-LTX_VIDEO = FamilySpec(
+SPEC = FamilySpec(
     name="ltx_video",
     model_classes=("LTXVideoTransformer3DModel",),
+    summary="fused RMSNorm / gated-residual chain and self-attention prologue, optional "
+    "block-sparse video self-attention",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -151,4 +153,4 @@ LTX_VIDEO = FamilySpec(
 
 #: diffusers' ``LTXVideoTransformer3DModel``: fused blocks and self-attention prologue,
 #: optional block-sparse self-attention.
-LTXVideoFamily = GridFamily(LTX_VIDEO)
+LTXVideoFamily = GridFamily(SPEC)

@@ -75,6 +75,21 @@ def block_forward(
     return ops.residual(hidden_states, block.ff(n), gate_mlp)
 
 
+def whole_row_qk(
+    ops: Any, attn: nn.Module, query: torch.Tensor, key: torch.Tensor, rotary: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_q``/``norm_k`` and LTX's interleaved rotary on the ``qk`` op, ``[B, S, H * D]``
+    in and out. The rotation covers all heads at once (``[B, S, H * D]`` tables): one
+    "head" of ``H * D`` for the op, normed over it as ``norm_q``/``norm_k`` do. LTX's
+    ``apply_rotary_emb`` rotates in fp32 whatever the tables' dtype: so does the op given
+    fp32 tables."""
+    cos, sin = (t.to(torch.float32).unsqueeze(2) for t in rotary)
+    nq, nk = attn.norm_q, attn.norm_k
+    query, key = ops.qk(query.unsqueeze(2), key.unsqueeze(2), nq.weight, nk.weight, cos, sin,
+                        nq.eps)  # fmt: skip
+    return query.squeeze(2), key.squeeze(2)
+
+
 class LTXSelfAttnProcessor(VideoSelfAttention):
     """diffusers' ``LTXVideoAttnProcessor`` on LTX's self-attention (``attn1``): the
     prologue (``norm_q``/``norm_k`` across heads, LTX's rotary) on ditops' ``qk_norm_rope``
@@ -89,16 +104,6 @@ class LTXSelfAttnProcessor(VideoSelfAttention):
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_ltx", "LTXVideoAttnProcessor")
-
-    def __init__(
-        self, original: Any | None = None, ops: Ops | None = None, steps: Any = None,
-        sparse: nn.Module | None = None,
-    ) -> None:  # fmt: skip
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers.transformer_ltx import LTXVideoAttnProcessor
-
-            original = LTXVideoAttnProcessor()
-        super().__init__(original, ops=ops, steps=steps, sparse=sparse)
 
     def _fused_prologue(self, attn: nn.Module, x: torch.Tensor, rotary: Any) -> bool:
         cos = rotary[0]
@@ -135,15 +140,7 @@ class LTXSelfAttnProcessor(VideoSelfAttention):
         value = attn.to_v(hidden_states)
         heads = attn.heads
         if prologue:
-            # The rotation covers all heads at once ([B, S, H * D] tables): one "head" of
-            # H * D for the op, normed over it as norm_q/norm_k do. apply_rotary_emb rotates
-            # in fp32 whatever the tables' dtype: so does the op given fp32 tables.
-            cos, sin = (t.to(torch.float32).unsqueeze(2) for t in image_rotary_emb)
-            nq, nk = attn.norm_q, attn.norm_k
-            query, key = self.ops.qk(  # type: ignore[union-attr]
-                query.unsqueeze(2), key.unsqueeze(2), nq.weight, nk.weight, cos, sin, nq.eps
-            )
-            query, key = query.squeeze(2), key.squeeze(2)
+            query, key = whole_row_qk(self.ops, attn, query, key, image_rotary_emb)
         else:
             query = tl.apply_rotary_emb(attn.norm_q(query), image_rotary_emb)
             key = tl.apply_rotary_emb(attn.norm_k(key), image_rotary_emb)

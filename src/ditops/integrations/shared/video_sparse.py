@@ -111,11 +111,13 @@ class VideoSelfAttention(WrappingProcessor):
     loader, or ``norms=False``): the subclass runs diffusers' prologue."""
 
     def __init__(
-        self, original: Any, ops: Any = None, steps: StepState | None = None,
+        self, original: Any = None, ops: Any = None, steps: StepState | None = None,
         sparse: nn.Module | None = None,
     ) -> None:  # fmt: skip
         if sparse is not None and steps is None:
             raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
+        if original is None:  # built as diffusers' loaders build processors: type(p)()
+            original = self.original_processor()
         super().__init__(original)
         self.ops = ops
         self.steps = steps
