@@ -128,9 +128,9 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     report = ditops.patch(model, precision="exact")
     assert report.models["LTX2VideoTransformer3DModel"]["fused blocks"] == 2
     assert equal(run(model, **x), ref)
-    # per forward, 2 blocks: 4 video norms and 4 video residuals each; the prologue on the
-    # op with interleaved tables only (split's differ per head: diffusers' prologue)
-    want = {"rms_norm": 8, "adaln_residual": 8, "qk_norm_rope": 2}
+    # per forward, 2 blocks: 4 norms and 4 residuals of each stream; the video prologue on
+    # the op with interleaved tables only (split's differ per head: diffusers' prologue)
+    want = {"rms_norm": 16, "adaln_residual": 16, "qk_norm_rope": 2}
     if variant == "split_rope":
         del want["qk_norm_rope"]
     assert cpu_paths == want
@@ -163,12 +163,15 @@ def test_a_hook_on_a_bypassed_norm_runs_diffusers_forward() -> None:
 
     for m in (plain, model):
         m.transformer_blocks[1].audio_to_video_norm.register_forward_hook(scale)
+        m.transformer_blocks[0].audio_norm3.register_forward_hook(scale)
     ref = run(plain, **x)
     report = ditops.patch(model, precision="exact")
-    why = report.unfused["LTX2VideoTransformer3DModel"]["transformer_blocks.1"]
-    assert "audio_to_video_norm has a torch forward hook" in why
+    assert report.models["LTX2VideoTransformer3DModel"]["unfused blocks"] == 2
+    why = report.unfused["LTX2VideoTransformer3DModel"]
+    assert "audio_to_video_norm has a torch forward hook" in why["transformer_blocks.1"]
+    assert "audio_norm3 has a torch forward hook" in why["transformer_blocks.0"]
     seen.clear()
-    assert equal(run(model, **x), ref) and seen == [1]
+    assert equal(run(model, **x), ref) and seen == [1, 1]
 
 
 @pytest.mark.parametrize(

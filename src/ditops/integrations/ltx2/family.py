@@ -24,20 +24,20 @@ fp32 tables) or ``split`` (per head halves with per-head ``[B, H, S, D / 2]`` ta
 computed with ``addcmul_``), attention, and with gated attention ``out * 2 sigmoid(
 to_gate_logits(x))`` per head.
 
-The patched block runs the **video stream** on ditops' ops where one reproduces it
-bitwise: the four norms (``norm1``, ``norm2``, ``audio_to_video_norm``, ``norm3``) on
-:func:`~ditops.ops.qk_norm_rope.rms_norm` (diffusers' convention) and the four residuals
-(self-attention, text, audio-to-video, feed-forward) on
+The patched block runs both streams on ditops' ops where one reproduces them bitwise:
+each stream's four norms (video ``norm1``, ``norm2``, ``audio_to_video_norm``,
+``norm3``; audio ``audio_norm1``, ``audio_norm2``, ``video_to_audio_norm``,
+``audio_norm3``) on :func:`~ditops.ops.qk_norm_rope.rms_norm` (diffusers' convention) and
+its four residuals (self-attention, text, cross-modal, feed-forward) on
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the modulations ``* (1 + s) +
-t`` stay eager (no op pairs an RMSNorm with a modulation, as for LTX-Video). The **audio
-stream** runs as diffusers runs it: the same expressions in the same order, its norms
-called as modules; fusing it is the same work again on smaller tensors (audio tokens are
-few). The video self-attention's prologue runs on
-:func:`~ditops.ops.qk_norm_rope.qk_norm_rope` with the ``H * D`` row as one head when the
-rotary is interleaved; with ``split`` rotary the prologue is diffusers' (the op takes one
-table for all heads, and split's tables differ per head). Every other attention (text,
-audio, audio/video cross-attention), the output norms and projections run as diffusers
-runs them. In exact precision the patched model is bitwise the unpatched one.
+t`` stay eager (no op pairs an RMSNorm with a modulation, as for LTX-Video). The video
+self-attention's prologue runs on :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` with the
+``H * D`` row as one head when the rotary is interleaved; with ``split`` rotary the
+prologue is diffusers' (the op takes one table for all heads, and split's tables differ
+per head), though the processor is installed and counted among the fused prologues. The
+audio self-attention (its prologue too: a second processor per block, on few tokens),
+the text and audio/video cross-attentions, the output norms and projections run as
+diffusers runs them. In exact precision the patched model is bitwise the unpatched one.
 
 With ``attention=BlockSparseConfig(...)`` the video self-attention runs ditops'
 block-sparse attention on the sparse steps, as LTX-Video's
@@ -91,8 +91,8 @@ def _block_unfused(block: nn.Module, where: str) -> list[str]:
 SPEC = FamilySpec(
     name="ltx2",
     model_classes=("LTX2VideoTransformer3DModel",),
-    summary="the video stream's fused RMSNorm / gated-residual chain and self-attention "
-    "prologue (audio stream as diffusers runs it), optional block-sparse video self-attention",
+    summary="fused RMSNorm / gated-residual chain of both streams and video self-attention "
+    "prologue, optional block-sparse video self-attention (audio attention dense)",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -113,6 +113,6 @@ SPEC = FamilySpec(
     relied_on=_relied_on,
 )  # fmt: skip
 
-#: diffusers' ``LTX2VideoTransformer3DModel``: the video stream's fused blocks and
+#: diffusers' ``LTX2VideoTransformer3DModel``: fused blocks (both streams), video
 #: self-attention prologue, optional block-sparse video self-attention.
 LTX2Family = GridFamily(SPEC)

@@ -1,7 +1,7 @@
-"""The fused forward of a patched LTX-2 block (its video stream on ditops' ops, its audio
-stream as diffusers computes it) and :class:`LTX2SelfAttnProcessor`, the video
-self-attention with the prologue on ``qk_norm_rope`` (interleaved rotary) and optional
-block sparsity. The arithmetic is written out in :mod:`ditops.integrations.ltx2.family`.
+"""The fused forward of a patched LTX-2 block (both streams' norms and residuals on
+ditops' ops) and :class:`LTX2SelfAttnProcessor`, the video self-attention with the
+prologue on ``qk_norm_rope`` (interleaved rotary) and optional block sparsity. The
+arithmetic is written out in :mod:`ditops.integrations.ltx2.family`.
 """
 
 from __future__ import annotations
@@ -16,8 +16,11 @@ from ditops.integrations.shared.guard import float64_call
 from ditops.integrations.shared.ops import Ops
 from ditops.integrations.shared.video_sparse import warn_once
 
-#: What the fused block computes without calling it: the video stream's norms.
-BLOCK_BYPASSES = ("norm1", "norm2", "audio_to_video_norm", "norm3")
+#: The norms of each stream (self-attention, text, audio/video cross-attention, ff).
+VIDEO_NORMS = ("norm1", "norm2", "audio_to_video_norm", "norm3")
+AUDIO_NORMS = ("audio_norm1", "audio_norm2", "video_to_audio_norm", "audio_norm3")
+#: What the fused block computes without calling it: every norm of both streams.
+BLOCK_BYPASSES = VIDEO_NORMS + AUDIO_NORMS
 
 
 def _rms(ops: Ops, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -28,11 +31,49 @@ def _modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
     return n * (1 + scale) + shift
 
 
-def _text_kv_mods(block: nn.Module, table: torch.Tensor, temb: Any, like: torch.Tensor, B: int):
-    # the prompt's K/V modulation: per timestep, or the static per-layer table
+def _text_kv(block: nn.Module, table: torch.Tensor, temb: Any, text: torch.Tensor,
+             like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The text modulated for the prompt's K/V: per timestep, or by the per-layer table."""
     if temb is not None:
-        return block.get_mod_params(table, temb, B)
-    return table[None, None].to(device=like.device, dtype=like.dtype).unbind(dim=2)
+        shift, scale = block.get_mod_params(table, temb, like.size(0))
+    else:
+        shift, scale = table[None, None].to(device=like.device, dtype=like.dtype).unbind(dim=2)
+    return _modulate(text, scale, shift)
+
+
+class _Stream:
+    """One stream of the block (video or audio): its modules and modulation rows."""
+
+    def __init__(self, block: nn.Module, audio: bool, x: torch.Tensor, temb: torch.Tensor):
+        p = "audio_" if audio else ""
+        self.norms = [getattr(block, n) for n in (AUDIO_NORMS if audio else VIDEO_NORMS)]
+        self.attn1, self.attn2 = getattr(block, p + "attn1"), getattr(block, p + "attn2")
+        self.ff = getattr(block, p + "ff")
+        self.adaln = (
+            getattr(block, p + "cross_attn_adaln") if audio else block.video_cross_attn_adaln
+        )
+        self.mods = block.get_mod_params(getattr(block, p + "scale_shift_table"), temb, x.size(0))
+        self.x = x
+
+    def self_attention(self, ops: Ops, rope: Any, mask: Any, perturbed: dict) -> None:
+        shift, scale, gate = self.mods[:3]
+        n = _modulate(_rms(ops, self.norms[0], self.x), scale, shift)
+        out = self.attn1(hidden_states=n, encoder_hidden_states=None, query_rotary_emb=rope,
+                         attention_mask=mask, **perturbed)  # fmt: skip
+        self.x = ops.residual(self.x, out, gate)
+
+    def text_attention(self, ops: Ops, text: torch.Tensor, mask: Any) -> None:
+        n = _rms(ops, self.norms[1], self.x)
+        if self.adaln:  # LTX-2.3: the text query modulated and gated too
+            n = _modulate(n, self.mods[7], self.mods[6])
+        out = self.attn2(n, encoder_hidden_states=text, query_rotary_emb=None,
+                         attention_mask=mask)  # fmt: skip
+        self.x = ops.residual(self.x, out, self.mods[8] if self.adaln else None)
+
+    def feed_forward(self, ops: Ops) -> torch.Tensor:
+        shift, scale, gate = self.mods[3:6]
+        n = _modulate(_rms(ops, self.norms[3], self.x), scale, shift)
+        return ops.residual(self.x, self.ff(n), gate)
 
 
 def block_forward(
@@ -65,86 +106,52 @@ def block_forward(
     perturbation_mask: torch.Tensor | None = None,
     all_perturbed: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``LTX2VideoTransformerBlock.forward``: the video stream's norms and gated residuals on
-    ditops' ops, the audio stream's expressions as diffusers writes them (see
-    :mod:`ditops.integrations.ltx2.family`). Installed through ``install_guarded``."""
-    h, ah, B = hidden_states, audio_hidden_states, hidden_states.size(0)
-    mods = block.get_mod_params
-    v = mods(block.scale_shift_table, temb, B)
-    a = mods(block.audio_scale_shift_table, temb_audio, B)
+    """``LTX2VideoTransformerBlock.forward`` with both streams' norms and residuals on
+    ditops' ops (see :mod:`ditops.integrations.ltx2.family`). Installed through
+    ``install_guarded``."""
+    v = _Stream(block, False, hidden_states, temb)
+    a = _Stream(block, True, audio_hidden_states, temb_audio)
     perturbed = {}
     if block.perturbed_attn:
         perturbed = {"perturbation_mask": perturbation_mask, "all_perturbed": all_perturbed}
-
-    # 1. self-attention: video on the ops, audio as diffusers
-    n = _modulate(_rms(ops, block.norm1, h), v[1], v[0])
-    out = block.attn1(hidden_states=n, encoder_hidden_states=None,
-                      query_rotary_emb=video_rotary_emb, attention_mask=self_attention_mask,
-                      **perturbed)  # fmt: skip
-    h = ops.residual(h, out, v[2])
-    n = _modulate(block.audio_norm1(ah), a[1], a[0])
-    out = block.audio_attn1(hidden_states=n, encoder_hidden_states=None,
-                            query_rotary_emb=audio_rotary_emb,
-                            attention_mask=audio_self_attention_mask, **perturbed)  # fmt: skip
-    ah = ah + out * a[2]
-
-    # 2. cross-attention to the text
+    v.self_attention(ops, video_rotary_emb, self_attention_mask, perturbed)
+    a.self_attention(ops, audio_rotary_emb, audio_self_attention_mask, perturbed)
     text, audio_text = encoder_hidden_states, audio_encoder_hidden_states
     if block.cross_attn_adaln:
-        shift_kv, scale_kv = _text_kv_mods(block, block.prompt_scale_shift_table, temb_prompt, h, B)
-        a_shift_kv, a_scale_kv = _text_kv_mods(
-            block, block.audio_prompt_scale_shift_table, temb_prompt_audio, ah, B
+        text = _text_kv(block, block.prompt_scale_shift_table, temb_prompt, text, v.x)
+        audio_text = _text_kv(
+            block, block.audio_prompt_scale_shift_table, temb_prompt_audio, audio_text, a.x
         )
-        text = _modulate(text, scale_kv, shift_kv)
-        audio_text = _modulate(audio_text, a_scale_kv, a_shift_kv)
-    n = _rms(ops, block.norm2, h)
-    if block.video_cross_attn_adaln:
-        n = _modulate(n, v[7], v[6])
-    out = block.attn2(n, encoder_hidden_states=text, query_rotary_emb=None,
-                      attention_mask=encoder_attention_mask)  # fmt: skip
-    h = ops.residual(h, out, v[8] if block.video_cross_attn_adaln else None)
-    n = block.audio_norm2(ah)
-    if block.audio_cross_attn_adaln:
-        n = _modulate(n, a[7], a[6])
-    out = block.audio_attn2(n, encoder_hidden_states=audio_text, query_rotary_emb=None,
-                            attention_mask=audio_encoder_attention_mask)  # fmt: skip
-    if block.audio_cross_attn_adaln:
-        out = out * a[8]
-    ah = ah + out
-
-    # 3. audio-to-video and video-to-audio cross-attention
+    v.text_attention(ops, text, encoder_attention_mask)
+    a.text_attention(ops, audio_text, audio_encoder_attention_mask)
     if use_a2v_cross_attention or use_v2a_cross_attention:
-        vn = _rms(ops, block.audio_to_video_norm, h)
-        an = block.video_to_audio_norm(ah)
+        B = hidden_states.size(0)
+        vn, an = _rms(ops, v.norms[2], v.x), _rms(ops, a.norms[2], a.x)
         v_table, a_table = (block.video_a2v_cross_attn_scale_shift_table,
                             block.audio_a2v_cross_attn_scale_shift_table)  # fmt: skip
-        v_ca = mods(v_table[:4, :], temb_ca_scale_shift, B)
-        a2v_gate = mods(v_table[4:, :], temb_ca_gate, B)[0].squeeze(2)
-        a_ca = mods(a_table[:4, :], temb_ca_audio_scale_shift, B)
-        v2a_gate = mods(a_table[4:, :], temb_ca_audio_gate, B)[0].squeeze(2)
-        if use_a2v_cross_attention:
-            q = _modulate(vn, v_ca[0].squeeze(2), v_ca[1].squeeze(2))
-            kv = _modulate(an, a_ca[0].squeeze(2), a_ca[1].squeeze(2))
-            out = block.audio_to_video_attn(q, encoder_hidden_states=kv,
-                                            query_rotary_emb=ca_video_rotary_emb,
-                                            key_rotary_emb=ca_audio_rotary_emb,
-                                            attention_mask=a2v_cross_attention_mask)  # fmt: skip
-            h = ops.residual(h, out, a2v_gate)
-        if use_v2a_cross_attention:
-            kv = _modulate(vn, v_ca[2].squeeze(2), v_ca[3].squeeze(2))
-            q = _modulate(an, a_ca[2].squeeze(2), a_ca[3].squeeze(2))
-            out = block.video_to_audio_attn(q, encoder_hidden_states=kv,
-                                            query_rotary_emb=ca_audio_rotary_emb,
-                                            key_rotary_emb=ca_video_rotary_emb,
-                                            attention_mask=v2a_cross_attention_mask)  # fmt: skip
-            ah = ah + v2a_gate * out
-
-    # 4. feed-forward
-    n = _modulate(_rms(ops, block.norm3, h), v[4], v[3])
-    h = ops.residual(h, block.ff(n), v[5])
-    n = _modulate(block.audio_norm3(ah), a[4], a[3])
-    ah = ah + block.audio_ff(n) * a[5]
-    return h, ah
+        v_ca = [m.squeeze(2) for m in block.get_mod_params(v_table[:4, :], temb_ca_scale_shift, B)]
+        a_ca = [
+            m.squeeze(2) for m in block.get_mod_params(a_table[:4, :], temb_ca_audio_scale_shift, B)
+        ]
+        a2v_gate = block.get_mod_params(v_table[4:, :], temb_ca_gate, B)[0].squeeze(2)
+        v2a_gate = block.get_mod_params(a_table[4:, :], temb_ca_audio_gate, B)[0].squeeze(2)
+        if use_a2v_cross_attention:  # q: video, k/v: audio; rows (scale, shift) 0, 1
+            out = block.audio_to_video_attn(
+                _modulate(vn, v_ca[0], v_ca[1]),
+                encoder_hidden_states=_modulate(an, a_ca[0], a_ca[1]),
+                query_rotary_emb=ca_video_rotary_emb, key_rotary_emb=ca_audio_rotary_emb,
+                attention_mask=a2v_cross_attention_mask,
+            )  # fmt: skip
+            v.x = ops.residual(v.x, out, a2v_gate)
+        if use_v2a_cross_attention:  # q: audio, k/v: video; rows 2, 3
+            out = block.video_to_audio_attn(
+                _modulate(an, a_ca[2], a_ca[3]),
+                encoder_hidden_states=_modulate(vn, v_ca[2], v_ca[3]),
+                query_rotary_emb=ca_audio_rotary_emb, key_rotary_emb=ca_video_rotary_emb,
+                attention_mask=v2a_cross_attention_mask,
+            )  # fmt: skip
+            a.x = ops.residual(a.x, out, v2a_gate)
+    return v.feed_forward(ops), a.feed_forward(ops)
 
 
 class LTX2SelfAttnProcessor(LTXSelfAttnProcessor):
