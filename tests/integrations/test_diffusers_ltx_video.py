@@ -421,3 +421,20 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
         reset_state()
     assert used == {"rms_norm": 2, "adaln_residual": 2, "qk_norm_rope": 1}
     assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_a_sparse_patched_copy_records_its_own_grid_and_steps() -> None:
+    """The grid recorder of a deep copy (and of a pickled model) writes into the copy's
+    own step state: the original's stays untouched."""
+    model = tiny_ltx()
+    ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5))
+    twin = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    for m in (twin, loaded):
+        with torch.inference_mode(), m.cache_context("cond_uncond"):
+            m(**inputs(frames=3, hw=4), return_dict=False)
+        assert m._ditops_steps.latent_shape == (1, 0, 3, 4, 4)
+        assert m._ditops_steps.current() == 0
+    assert model._ditops_steps.latent_shape is None
+    ditops.unpatch(twin)
+    assert not twin._forward_pre_hooks
