@@ -318,3 +318,27 @@ def test_a_self_attention_mask_runs_dense_and_says_so(
     with caplog.at_level(logging.WARNING, logger="ditops"):
         assert equal(run(model, step=3, **x), ref)
     assert estimates == [] and "runs dense attention with the mask" in caplog.text
+
+
+def test_sparse_attention_under_context_parallelism_is_refused() -> None:
+    """diffusers 0.42 cannot run LTX-2 under context parallelism (its plan splits the
+    video tokens, not the audio-to-video rotary tables): with a parallel config on the
+    processors the patch refuses sparse attention, changing nothing; one set after the
+    patch is refused at the first sparse step."""
+    from diffusers import ContextParallelConfig
+
+    model = tiny_ltx2()
+    cfg = BlockSparseConfig(sparsity=0.5)
+    procs = [b.attn1.processor for b in model.transformer_blocks]
+    for p in procs:
+        p._parallel_config = ContextParallelConfig(ulysses_degree=2)
+    with pytest.raises(PatchError, match="under context parallelism is not supported for ltx2"):
+        ditops.patch(model, attention=cfg)
+    assert not hasattr(model, "_ditops_patch")
+    for p in procs:
+        p._parallel_config = None
+    ditops.patch(model, attention=cfg)
+    for block in model.transformer_blocks:
+        block.attn1.processor._parallel_config = ContextParallelConfig(ulysses_degree=2)
+    with pytest.raises(NotImplementedError, match="not supported by LTX2SelfAttnProcessor"):
+        run(model, step=3, **inputs(frames=4, hw=8))

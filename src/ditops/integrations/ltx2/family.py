@@ -47,7 +47,9 @@ height, width)`` order; steps counted from the timestep in each of the pipeline'
 ``cache_context`` branches, ``cond_uncond``, ``uncond_stg``, ``uncond_modality``). The
 audio self-attention stays dense. Models whose processors are of another class
 (``perturbed_attn=True``: ``LTX2PerturbedAttnProcessor``, spatio-temporal guidance) keep
-them, the blocks fused; sparse attention refuses them.
+them, the blocks fused; sparse attention refuses them. Sparse attention under diffusers'
+context parallelism is refused (diffusers 0.42 cannot run LTX-2 under it: its plan splits
+the video tokens but not the audio-to-video rotary tables).
 """
 
 from __future__ import annotations
@@ -109,7 +111,9 @@ SPEC = FamilySpec(
         keep_others=True,  # STG's perturbed processor (or the user's) stays; refused if sparse
     ),
     # The step is counted by video_sparse.GridRecorder (the timestep by name).
-    sparse=Sparse(patch_size, count_steps=False),
+    # Not under context parallelism: diffusers 0.42 itself fails there (its plan splits the
+    # video tokens but not the audio-to-video rotary tables).
+    sparse=Sparse(patch_size, count_steps=False, context_parallel=False),
     relied_on=_relied_on,
 )  # fmt: skip
 

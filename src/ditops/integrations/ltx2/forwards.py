@@ -171,6 +171,9 @@ class LTX2SelfAttnProcessor(LTXSelfAttnProcessor):
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_ltx2", "LTX2AudioVideoAttnProcessor")
+    #: diffusers 0.42 cannot run LTX-2 under context parallelism (its plan leaves the
+    #: cross-modal rotary tables whole): sparse steps there are refused.
+    context_parallel = False
 
     def __call__(
         self,

@@ -110,6 +110,10 @@ class VideoSelfAttention(WrappingProcessor):
     sparse=...)`` and :meth:`attend` (see the module docstring). ``ops`` None (built by a
     loader, or ``norms=False``): the subclass runs diffusers' prologue."""
 
+    #: Whether sparse steps run under diffusers' context parallelism (the family's
+    #: ``Sparse.context_parallel``).
+    context_parallel = True
+
     def __init__(
         self, original: Any = None, ops: Any = None, steps: StepState | None = None,
         sparse: nn.Module | None = None,
@@ -143,6 +147,11 @@ class VideoSelfAttention(WrappingProcessor):
         cp = context_parallel_of(self._parallel_config)
         if cp is None:
             return attend(q, k, v)
+        if not self.context_parallel:  # enabled after the patch (the patch refuses it)
+            raise NotImplementedError(
+                f"ditops: sparse attention under context parallelism is not supported by "
+                f"{type(self).__name__}; patch with attention=None"
+            )
         if not dense:
             check_method_per_rank(self.sparse.config.method)  # type: ignore[union-attr]
         return attend_across_ranks(cp, q, k, v, attend)
