@@ -317,6 +317,28 @@ def test_compile_fullgraph_without_recompiles() -> None:
     assert torch.equal(first, run(tiny_ltx(num_layers=1), **x))
 
 
+@pytest.mark.slow
+def test_sparse_compiles_fullgraph_with_a_step_index() -> None:
+    """Sparse attention compiled whole (fullgraph, aot_eager) at a sparse step given by
+    the step index, the grid recorded by the pre-hook inside the trace: as eager; the
+    same without a step index (counted from the timestep, a host read) is refused."""
+    torch._dynamo.reset()
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+    x = inputs(frames=4, hw=8)
+    eager = tiny_ltx(num_layers=1)
+    ditops.patch(eager, precision="exact", attention=cfg)
+    model = tiny_ltx(num_layers=1)
+    ditops.patch(model, precision="exact", attention=cfg)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    try:
+        assert torch.equal(run(compiled, step=1, **x), run(eager, step=1, **x))
+        with pytest.raises(Exception, match="counts its denoising steps from the timestep"):
+            with torch.inference_mode(), model.cache_context("cond_uncond"):
+                compiled(**x, return_dict=False)
+    finally:
+        torch._dynamo.reset()
+
+
 # --- sparse self-attention ----------------------------------------------------------------------
 
 SPARSE_VIDEO = dict(frames=4, hw=8)  # 4 frames of 8 x 8 tokens: 256, 16 key blocks of 16
