@@ -306,10 +306,13 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
 
 
 def test_a_self_attention_mask_runs_dense_and_says_so(
-    estimates: list, caplog: pytest.LogCaptureFixture
+    estimates: list, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """IC-LoRA's video self-attention mask: diffusers' dense attention with the mask, on
     sparse steps too, bitwise, and a warning."""
+    from ditops.integrations.shared import video_sparse
+
+    monkeypatch.setattr(video_sparse, "_WARNED", set())  # said once per process
     model = tiny_ltx2()
     x = inputs(frames=4, hw=8)
     x["video_self_attention_mask"] = (torch.rand(1, 256, 256) > 0.2).float()

@@ -398,25 +398,42 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
     assert torch.equal(run(model, **later), ref_later)
 
 
-def test_sparse_call_without_a_grid_runs_without_dense_first_frame(
-    estimates: list, caplog: pytest.LogCaptureFixture
-) -> None:
-    """LTXConditionPipeline gives video_coords, not the grid: sparse steps run, at the
-    density asked, without the first frame's blocks, and ditops says so."""
+def _coords(frames: int, hw: int) -> torch.Tensor:
+    grid = torch.meshgrid(*(torch.arange(n) for n in (frames, hw, hw)), indexing="ij")
+    return torch.stack(grid, 0).flatten(1)[None].float()
+
+
+@pytest.mark.parametrize("appended", [0, 16])
+def test_sparse_call_with_coordinates_finds_the_grid(
+    appended: int, estimates: list, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    """LTXConditionPipeline gives video_coords, not the grid: read from the coordinates,
+    the first frame's blocks dense; with conditioning tokens appended (no grid) the sparse
+    step runs without them, at the density asked, and ditops says so."""
+    from ditops.integrations.shared import video_sparse
+
+    monkeypatch.setattr(video_sparse, "_WARNED", set())  # said once per process
     model = tiny_ltx()
     x = inputs(**SPARSE_VIDEO)
-    coords = torch.stack(
-        torch.meshgrid(*(torch.arange(n) for n in (4, 8, 8)), indexing="ij"), 0
-    ).flatten(1)[None].float()  # fmt: skip
     del x["num_frames"], x["height"], x["width"]
-    x["video_coords"] = coords
+    x["video_coords"] = _coords(4, 8)
+    if appended:
+        x["video_coords"] = torch.cat([x["video_coords"], _coords(1, 4)], 2)
+        x["hidden_states"] = torch.cat([x["hidden_states"], x["hidden_states"][:, :16]], 1)
     cfg = BlockSparseConfig(sparsity=0.5, block_size=16, stride=4)
     ditops.patch(model, precision="exact", attention=cfg)
     with caplog.at_level(logging.WARNING, logger="ditops"):
         run(model, step=3, **x)
-    assert "first frame's blocks" in caplog.text
     assert len(estimates) == 2
     assert all(abs(d - 0.5) <= 1 / 16 for d in _densities(estimates))
+    assert model._ditops_steps.latent_shape == (1, 0, 4, 8, 8)
+    if appended:  # 4 x 8 x 8 is not the 272 tokens: no first frame assumed
+        assert "first frame's blocks" in caplog.text
+    else:
+        assert "first frame's blocks" not in caplog.text
+        mask = estimates[0][0]
+        assert bool(mask[..., :4, :].all()) and bool(mask[..., :, :4].all())
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -40,9 +40,11 @@ With ``attention=BlockSparseConfig(...)`` the self-attention runs ditops'
 ``(frame, height, width)`` order before the call and pass the grid as ``num_frames``,
 ``height``, ``width`` (the rotary's grid), which the patch records to keep the first
 frame's blocks dense (with ``config.patch_size_t`` / ``patch_size``); a call that gives
-``video_coords`` instead (``LTXConditionPipeline``) runs its sparse steps without them,
-and says so once. ``LTXPipeline`` enters ``cache_context("cond_uncond")`` without a step
-index, both guidance branches in one batch: the step is counted from the timestep.
+``video_coords`` instead (``LTXConditionPipeline``) has its grid read from them (eager
+calls), and one whose tokens make no grid (conditioning tokens appended) runs its sparse
+steps without the first frame's blocks, and says so once. ``LTXPipeline`` enters
+``cache_context("cond_uncond")`` without a step index, both guidance branches in one
+batch: the step is counted from the timestep.
 
 Before changing anything the skeleton's check (:mod:`~ditops.integrations.shared.family`)
 compares the block forwards, the processors and every diffusers function the fused code

@@ -5,9 +5,10 @@ Wan and HunyuanVideo take the latent video ``[B, C, F, H, W]`` and patchify it i
 model, so :class:`~ditops.integrations.shared.steps.LatentShapeRecorder` reads the video's
 shape from ``hidden_states``. LTX's pipelines pack the latents before the call (tokens in
 ``(frame, height, width)`` order) and pass the grid as ``num_frames``, ``height`` and
-``width``: :class:`GridRecorder` records it from those arguments, and counts the
-denoising step from the call's timestep by the parameter's name (LTX's pipelines enter
-``cache_context("cond_uncond")`` without a step index). :class:`GridFamily` is a
+``width`` (or only the tokens' ``video_coords``): :class:`GridRecorder` records it from
+those arguments, and counts the denoising step from the call's timestep by the
+parameter's name (LTX's pipelines enter ``cache_context("cond_uncond")`` without a step
+index). :class:`GridFamily` is a
 :class:`~ditops.integrations.shared.family.DeclaredFamily` that installs one with the
 sparse attention.
 
@@ -46,16 +47,18 @@ GRID = ("num_frames", "height", "width")
 
 class GridRecorder:
     """Forward pre-hook of a model taking packed tokens: the call's latent grid into
-    ``state.latent_shape`` (``(B, 0, F, H, W)``; None when the call gives no grid, e.g.
-    LTX's ``video_coords``) and, when the call brings no step index, the step counted from
+    ``state.latent_shape`` (``(B, 0, F, H, W)``: from ``num_frames``/``height``/``width``,
+    else from the tokens' coordinates (:func:`grid_of_coords`, eager calls only); None
+    when neither gives one) and, when the call brings no step index, the step counted from
     its timestep (``StepState.count``). Arguments are read by name, positional ones too
     (``params``: the names of the model's forward parameters after ``self``)."""
 
     def __init__(
         self, state: StepState, params: tuple[str, ...], grid: tuple[str, ...] = GRID,
-        tokens: str = "hidden_states", timestep: str = "timestep",
+        tokens: str = "hidden_states", timestep: str = "timestep", coords: str = "video_coords",
     ) -> None:  # fmt: skip
         self.state = state
+        self.coords = coords
         self.params = params
         self.grid = grid
         self.tokens = tokens
@@ -67,8 +70,12 @@ class GridRecorder:
         tokens = given.get(self.tokens)
         sizes = [given.get(name) for name in self.grid]
         shape = None
+        coords = given.get(self.coords)
         if isinstance(tokens, torch.Tensor) and all(isinstance(s, int) for s in sizes):
             shape = (int(tokens.shape[0]), 0, *sizes)
+        elif isinstance(tokens, torch.Tensor) and isinstance(coords, torch.Tensor):
+            if not traced():  # host reads: under a trace the grid stays unknown
+                shape = grid_of_coords(coords, int(tokens.shape[0]), self.state.patch_size)
         self.state.latent_shape = shape
         if self.state.step is not None:
             return
@@ -85,6 +92,28 @@ class GridRecorder:
             self.state.count(float(timestep.float().mean()))
         else:
             self.state.counted = None
+
+
+def grid_of_coords(
+    coords: torch.Tensor, batch: int, patch: tuple[int, ...]
+) -> tuple[int, ...] | None:
+    """The latent grid ``(B, 0, F, H, W)`` of tokens whose coordinates ``coords`` are
+    ``[B, 3, S]`` (LTX: frame, row, column of each token) or ``[B, 3, S, 2]`` (LTX-2: each
+    patch's bounds), in ``(frame, height, width)`` order: the frames counted, the first
+    frame's tokens the leading run of the first token's frame, its rows counted. None when
+    those do not make a grid (three host reads)."""
+    c = coords[0] if coords.dim() == 3 else coords[0, ..., 0]
+    if c.dim() != 2 or c.shape[0] != 3 or c.shape[1] == 0:
+        return None
+    frame = c[0]
+    first = int((frame != frame[0]).int().argmax()) or int(frame.numel())
+    frames = int(torch.unique(frame).numel())
+    rows = int(torch.unique(c[1, :first]).numel())
+    cols = first // rows
+    if rows * cols != first:
+        return None
+    pt, ph, pw = patch[-3:]
+    return (batch, 0, frames * pt, rows * ph, cols * pw)
 
 
 class GridFamily(DeclaredFamily):
@@ -191,8 +220,9 @@ class VideoSelfAttention(WrappingProcessor):
                 return first_frame_dense_blocks(shape, patch, self.sparse.config.block_size)
         warn_once(
             f"ditops: {type(self).__name__}: a sparse step whose call gives no (num_frames, "
-            "height, width) grid of its tokens (video_coords, or conditioning tokens added) "
-            "runs without the first frame's blocks kept dense"
+            "height, width) grid of its tokens (conditioning tokens added to the video, or "
+            "coordinates under torch.compile) runs without the first frame's blocks kept "
+            "dense"
         )
         return None
 
