@@ -477,3 +477,19 @@ def test_a_sparse_patched_copy_records_its_own_grid_and_steps() -> None:
     assert model._ditops_steps.latent_shape is None
     ditops.unpatch(twin)
     assert not twin._forward_pre_hooks
+
+
+def test_positional_calls_are_read_by_name() -> None:
+    """The recorder reads the timestep and the grid by parameter name, positional ones
+    too (LTX's timestep is its third argument, not its second as Wan's)."""
+    model = tiny_ltx()
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, skip_first_steps=1))
+    x = inputs(frames=3)
+    args = [x[k] for k in ("hidden_states", "encoder_hidden_states", "timestep",
+                           "encoder_attention_mask", "num_frames", "height", "width")]  # fmt: skip
+    with torch.inference_mode():
+        for step, t in enumerate((900, 800)):
+            with model.cache_context("cond_uncond"):
+                model(*args[:2], torch.tensor([t]), *args[3:], return_dict=False)
+            assert model._ditops_steps.current() == step
+    assert model._ditops_steps.latent_shape == (1, 0, 3, 4, 4)
