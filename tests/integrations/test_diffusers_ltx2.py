@@ -126,7 +126,13 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     x = inputs(DTYPES[dtype], batch=batch)
     ref = run(model, **x)
     report = ditops.patch(model, precision="exact")
-    assert report.models["LTX2VideoTransformer3DModel"]["fused blocks"] == 2
+    summary = report.models["LTX2VideoTransformer3DModel"]
+    assert summary["fused blocks"] == 2
+    if variant == "split_rope":
+        assert summary["fused attention prologues"] == 0
+        assert summary["attention prologues as diffusers' (split rotary)"] == 2
+    else:
+        assert summary["fused attention prologues"] == 2
     assert equal(run(model, **x), ref)
     # per forward, 2 blocks: 4 norms and 4 residuals of each stream; the video prologue on
     # the op with interleaved tables only (split's differ per head: diffusers' prologue)

@@ -32,12 +32,13 @@ its four residuals (self-attention, text, cross-modal, feed-forward) on
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the modulations ``* (1 + s) +
 t`` stay eager (no op pairs an RMSNorm with a modulation, as for LTX-Video). The video
 self-attention's prologue runs on :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` with the
-``H * D`` row as one head when the rotary is interleaved; with ``split`` rotary the
-prologue is diffusers' (the op takes one table for all heads, and split's tables differ
-per head), though the processor is installed and counted among the fused prologues. The
-audio self-attention (its prologue too: a second processor per block, on few tokens),
-the text and audio/video cross-attentions, the output norms and projections run as
-diffusers runs them. In exact precision the patched model is bitwise the unpatched one.
+``H * D`` row as one head when the rotary is interleaved. With ``split`` rotary (the
+LTX-2 checkpoints' config) the prologue is diffusers' (the report counts it apart): the
+op takes one table for all heads where split's differ per head, and
+``apply_split_rotary_emb``'s ``addcmul_`` rounds otherwise than the op's meaning in fp32
+and fp16. The audio self-attention (its prologue too: a second processor per block, on
+few tokens), the text and audio/video cross-attentions, the output norms and projections
+run as diffusers runs them. In exact precision the patched model is bitwise the unpatched one.
 
 With ``attention=BlockSparseConfig(...)`` the video self-attention runs ditops'
 block-sparse attention on the sparse steps, as LTX-Video's

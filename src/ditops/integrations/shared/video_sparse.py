@@ -121,13 +121,23 @@ class GridFamily(DeclaredFamily):
     block-sparse video self-attention.
 
     A :class:`~ditops.integrations.shared.family.DeclaredFamily` that also installs a
-    :class:`GridRecorder` with sparse attention. Its spec's ``Sparse.count_steps`` is
-    False: the recorder counts (by the timestep's name, not its position)."""
+    :class:`GridRecorder` with sparse attention, and counts the self-attentions over split
+    rotary tables (whose prologue stays diffusers') apart from the fused prologues. Its
+    spec's ``Sparse.count_steps`` is False: the recorder counts (by the timestep's name,
+    not its position)."""
 
     def apply(
         self, model: nn.Module, plan: Plan, record: PatchRecord, options: PatchOptions
     ) -> None:
         super().apply(model, plan, record, options)
+        # A processor over split rotary (LTX-2's checkpoints) runs diffusers' prologue: the
+        # op takes one table for all heads, split's differ per head.
+        split = sum(
+            getattr(a, "rope_type", "interleaved") != "interleaved" for a, _ in plan.attentions
+        )
+        if options.norms and split:
+            record.count("fused attention prologues", -split)
+            record.count("attention prologues as diffusers' (split rotary)", split)
         state = vars(model).get("_ditops_steps")
         if options.attention is not None and state is not None:
             params = tuple(inspect.signature(type(model).forward).parameters)[1:]
