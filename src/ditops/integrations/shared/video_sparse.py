@@ -58,19 +58,19 @@ class GridRecorder:
         tokens: str = "hidden_states", timestep: str = "timestep", coords: str = "video_coords",
     ) -> None:  # fmt: skip
         self.state = state
-        self.coords = coords
         self.params = params
         self.grid = grid
         self.tokens = tokens
         self.timestep = timestep
+        self.coords = coords
 
     def __call__(self, module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         given = dict(zip(self.params, args))
         given.update(kwargs)
         tokens = given.get(self.tokens)
         sizes = [given.get(name) for name in self.grid]
-        shape = None
         coords = given.get(self.coords)
+        shape = None
         if isinstance(tokens, torch.Tensor) and all(isinstance(s, int) for s in sizes):
             shape = (int(tokens.shape[0]), 0, *sizes)
         elif isinstance(tokens, torch.Tensor) and isinstance(coords, torch.Tensor):
