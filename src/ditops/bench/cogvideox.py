@@ -11,7 +11,8 @@ runs one forward under each variant:
   queries at that sparsity (text queries dense, the text and first frame's keys dense).
 
 The variants take turns for ``rounds`` rounds after one untimed call each (see
-:func:`ditops.bench.model_runs.interleaved_forwards`); per variant: the median seconds
+:func:`ditops.bench.model_runs.interleaved_forwards`); per variant (HunyuanVideo's
+bench's summary and table): the median seconds
 per forward and inside the attention modules, the median per-round ratios to
 ``unpatched``, the block density asked and realised, and the drift of the output from the
 unpatched one (max abs relative to its peak, cosine, PSNR).
@@ -30,13 +31,7 @@ from typing import Any
 import torch
 
 from ditops.bench import hunyuan_video as hv
-from ditops.bench.model_runs import (
-    build_seeded,
-    interleaved_forwards,
-    print_variant_rows,
-    size_config,
-    variant_summaries,
-)
+from ditops.bench.model_runs import build_seeded, interleaved_forwards, size_config
 
 BASE_CONFIG: dict[str, Any] = {
     "attention_head_dim": 64,
@@ -147,8 +142,6 @@ def run(
         model, x, device, variants, use, rounds, probe,
         desc=f"cogvideox {layout}", progress=progress, reset=lambda: unpatch(model),
     )  # fmt: skip
-    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
-    densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
         "size": size,
@@ -159,8 +152,8 @@ def run(
         "block_size": block_size,
         "rounds": rounds,
         "seconds": times,
-        "attention_seconds": attn,
-        "summary": variant_summaries(variants, outputs, times, attn, densities),
+        "attention_seconds": {name: [p.seconds for p in ps] for name, ps in probes.items()},
+        "summary": hv.summarise(variants, outputs, times, probes),
     }
 
 
@@ -174,7 +167,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         f"blocks of {result['block_size']}, {result['rounds']} interleaved rounds",
         file=out,
     )
-    print_variant_rows(result["summary"], out)
+    hv.print_rows(result["summary"], out)
 
 
 def cli(

@@ -27,6 +27,7 @@ bf16, or fp32 on a CPU whose bf16 matmuls are a slow fallback.
 
 from __future__ import annotations
 
+import statistics
 import sys
 from typing import Any
 
@@ -36,9 +37,8 @@ from ditops.bench.model_runs import (
     ModuleTimer,
     build_seeded,
     interleaved_forwards,
-    print_variant_rows,
     size_config,
-    variant_summaries,
+    timing_summary,
 )
 
 BASE_CONFIG: dict[str, Any] = {
@@ -143,6 +143,42 @@ class _Probe(ModuleTimer):
         self._handles.append(estimate_block_mask.op.register_forward_hook(estimated))  # fmt: skip
 
 
+def summarise(
+    variants: list[tuple[str, dict[str, Any]]],
+    outputs: dict[str, torch.Tensor],
+    times: dict[str, list[float]],
+    probes: dict[str, list[Any]],
+) -> list[dict[str, Any]]:
+    """Per variant of :func:`~ditops.bench.model_runs.interleaved_forwards`' run (its
+    ``_Probe`` probes): timings, ratios to ``unpatched``, densities asked and run, drift."""
+    from ditops.bench.harness import drift
+
+    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
+    densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
+    peak = float(outputs["unpatched"].double().abs().max()) or 1.0
+    summary = []
+    for name, options in variants:
+        max_abs, cosine, psnr = drift(outputs[name], outputs["unpatched"])
+        cfg = options.get("attention")
+        summary.append(
+            {
+                **timing_summary(name, times, attn),
+                "attention_speedup": statistics.median(
+                    u / t for u, t in zip(attn["unpatched"], attn[name])
+                ),
+                "requested_density": None if cfg is None else 1 - cfg.sparsity,
+                "realised_density": (
+                    statistics.fmean(densities[name]) if densities[name] else None
+                ),
+                "max_rel": max_abs / peak,
+                "cosine": cosine,
+                "psnr_db": psnr,
+                "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
+            }
+        )
+    return summary
+
+
 def run(
     device: torch.device,
     size: str = "small",
@@ -182,7 +218,7 @@ def run(
         desc="hunyuan_video", progress=progress, reset=lambda: unpatch(model),
     )  # fmt: skip
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
-    densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
+    summary = summarise(variants, outputs, times, probes)
     frames, h, w = latent
     p = config["patch_size"]
     return {
@@ -196,8 +232,12 @@ def run(
         "rounds": rounds,
         "seconds": times,
         "attention_seconds": attn,
-        "summary": variant_summaries(variants, outputs, times, attn, densities),
+        "summary": summary,
     }
+
+
+def _f(v: float | None, spec: str) -> str:
+    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
 
 
 def print_report(result: dict[str, Any], out: Any = None) -> None:
@@ -212,7 +252,31 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         "interleaved rounds",
         file=out,
     )
-    print_variant_rows(result["summary"], out)
+    print_rows(result["summary"], out)
+
+
+def print_rows(summary: list[dict[str, Any]], out: Any) -> None:
+    """The table of :func:`summarise`'s rows, and what its columns are."""
+    print(
+        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
+        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
+        file=out,
+    )
+    for s in summary:
+        print(
+            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
+            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
+            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
+            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
+            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
+            file=out,
+        )
+    print(
+        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
+        "and of the attention modules to unpatched; asked/run: block density of the video "
+        "queries' maps, forced blocks included; drift against the unpatched output)",
+        file=out,
+    )
 
 
 def cli(

@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
 :func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
-HunyuanVideo, HunyuanVideo-1.5, CogVideoX, then the generic norm swap), has it check the model (a
+HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -27,6 +27,8 @@ from ditops.integrations.flux.family import SPEC as FLUX
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
+from ditops.integrations.ltx2.family import LTX2Family
+from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -48,6 +50,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(HUNYUAN_VIDEO),
     DeclaredFamily(HUNYUAN_VIDEO15),
     DeclaredFamily(FRAMEPACK),
+    LTXVideoFamily,
+    LTX2Family,
     DeclaredFamily(COGVIDEOX),
     GenericFamily(),
 )
