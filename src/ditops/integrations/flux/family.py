@@ -161,6 +161,7 @@ FLUX = FamilySpec(
         keep_others=True,  # IP-Adapter's (or the user's) stays; the blocks are fused
     ),
     relied_on=_relied_on,
+    summary="fused adaLN chain and attention prologue",
 )  # fmt: skip
 
 #: diffusers' ``FluxTransformer2DModel``: fused adaLN chain and attention prologue.

@@ -1,0 +1,341 @@
+"""ditops.patch on tiny diffusers SD3Transformer2DModels built from keyword arguments:
+SD3 (no q/k norm, single attention) and SD3.5 (dual attention in some blocks, q/k
+RMSNorm), each with its last block ``context_pre_only``.
+
+Parity: exact precision is bitwise equal to the unpatched model in fp32, bf16 and fp16,
+with the fused CPU paths shown to run and counted per forward; fast precision within
+tolerance; unpatch restores. Then what a patch must survive: deep copies, pickling,
+patching again, hooks on bypassed norms, feed-forward chunking, torch.compile, and
+models it must refuse.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations import PatchError
+from tests.integrations.spies import cpu_paths_of
+from tests.precision import max_rel_err
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import SD3Transformer2DModel  # noqa: E402
+
+FAST_REL_TOL = 2e-2  # as FLUX's: bf16/fp16 activations through 3 blocks, a few ulps
+
+TINY = dict(
+    sample_size=8,
+    patch_size=2,
+    in_channels=4,
+    num_layers=3,
+    attention_head_dim=8,
+    num_attention_heads=2,
+    joint_attention_dim=20,
+    caption_projection_dim=16,
+    pooled_projection_dim=12,
+    out_channels=4,
+    pos_embed_max_size=12,
+)
+#: SD3.5: dual attention in the first block only (the second is SD3's, the third the last).
+SD35 = dict(dual_attention_layers=(0,), qk_norm="rms_norm")
+TEXT = 5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_sd3(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> SD3Transformer2DModel:
+    torch.manual_seed(0)
+    model = SD3Transformer2DModel(**{**TINY, **overrides}).to(dtype).eval()
+    with torch.no_grad():  # norm weights away from 1, so the prologue's weights count
+        for name, p in model.named_parameters():
+            if ".norm_" in name and name.endswith("weight"):
+                p.copy_(1 + 0.5 * torch.randn_like(p))
+    return model
+
+
+def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "hidden_states": torch.randn(batch, 4, 8, 6, generator=g).to(dtype) * 2,
+        "encoder_hidden_states": torch.randn(batch, TEXT, 20, generator=g).to(dtype),
+        "pooled_projections": torch.randn(batch, 12, generator=g).to(dtype),
+        "timestep": torch.tensor([700.0, 30.0][:batch], dtype=dtype),
+    }
+
+
+def run(model: nn.Module, **kw: torch.Tensor) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**kw, return_dict=False)[0]
+
+
+cpu_paths = cpu_paths_of("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "rms_norm")
+
+CASES = [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)]
+
+
+@pytest.mark.parametrize(("dtype", "batch"), CASES)
+def test_sd3_exact_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_sd3(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    # no q/k norms (SD3.0): diffusers' processors stay, counted as kept
+    assert report.models["SD3Transformer2DModel"] == {
+        "fused blocks": 3, "fused output norm": 1, "attention processors kept": 3,
+    }  # fmt: skip
+    assert torch.equal(run(model, **x), ref)
+    # 3 blocks: 2 modulated norms each (the last one's text norm is the continuous one),
+    # + norm_out; residual+norm per stream with an MLP half (2 + 2 + 1); the MLPs' residuals
+    assert cpu_paths == {
+        "adaln_modulate": 3 * 2 + 1,
+        "adaln_residual_modulate": 5,
+        "adaln_residual": 5,
+    }
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize(("dtype", "batch"), CASES)
+def test_sd35_exact_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_sd3(DTYPES[dtype], **SD35)
+    x = inputs(DTYPES[dtype], batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models["SD3Transformer2DModel"] == {
+        "fused blocks": 3, "fused output norm": 1, "fused attention prologues": 4,
+    }  # fmt: skip
+    assert torch.equal(run(model, **x), ref)
+    # as SD3, plus the dual block's second modulation and its extra residual; the q/k
+    # norms: 4 per joint attention (3), 2 for attn2
+    assert cpu_paths == {
+        "adaln_modulate": 3 * 2 + 1 + 1,
+        "adaln_residual_modulate": 5,
+        "adaln_residual": 5 + 1,
+        "rms_norm": 3 * 4 + 2,
+    }
+    processor = model.transformer_blocks[0].attn2.processor
+    assert type(processor).__name__ == "FusedJointAttnProcessor"
+    ditops.unpatch(model)
+    blocks = model.transformer_blocks
+    assert type(blocks[0].attn2.processor).__name__ == "JointAttnProcessor2_0"
+    assert blocks[0].attn2.processor is blocks[0].attn.processor  # shared, as built
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_within_tolerance(dtype: str) -> None:
+    model = tiny_sd3(DTYPES[dtype], **SD35)
+    x = inputs(DTYPES[dtype], batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_processor_calls_match_the_original_in_values_and_strides() -> None:
+    """Self-attention (attn2) and joint calls, directly: the same bits and the same
+    layout as diffusers' processor, whose norms see the transposed view."""
+    model = tiny_sd3(torch.bfloat16, **SD35)
+    ditops.patch(model, precision="exact")
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 9, 16, generator=g).bfloat16()
+    c = torch.randn(2, 4, 16, generator=g).bfloat16()
+    for attn, context in ((model.transformer_blocks[0].attn2, None),
+                          (model.transformer_blocks[2].attn, c)):  # fmt: skip
+        with torch.inference_mode():
+            got = attn.processor(attn, h, context)
+            want = attn.processor.original(attn, h, context)
+        for a, b in zip(
+            got if context is not None else [got], want if context is not None else [want]
+        ):
+            assert torch.equal(a, b) and a.stride() == b.stride()
+
+
+def test_feed_forward_chunking_is_bitwise() -> None:
+    model = tiny_sd3(torch.bfloat16, **SD35)
+    model.enable_forward_chunking(chunk_size=1, dim=1)  # 12 image, 5 text tokens
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_other_qk_norms_keep_the_processor_and_fuse_the_blocks() -> None:
+    model = tiny_sd3(torch.float32, qk_norm="layer_norm")
+    x = inputs(torch.float32)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    summary = report.models["SD3Transformer2DModel"]
+    assert summary["attention processors kept"] == 3 and summary["fused blocks"] == 3
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_other_processors_are_kept_and_the_blocks_still_fused() -> None:
+    from diffusers.models.attention_processor import JointAttnProcessor2_0
+
+    class MyProcessor(JointAttnProcessor2_0):
+        pass
+
+    model = tiny_sd3(**SD35)
+    mine = MyProcessor()
+    model.transformer_blocks[1].attn.set_processor(mine)
+    x = inputs()
+    ref = run(model, **x)
+    summary = ditops.patch(model, precision="exact").models["SD3Transformer2DModel"]
+    assert summary["fused attention prologues"] == 3
+    assert summary["attention processors kept"] == 1
+    assert model.transformer_blocks[1].attn.processor is mine
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_hooks_on_bypassed_norms_run_diffusers_code_bitwise() -> None:
+    """A torch hook on a block's norm2 runs that block unfused; one on a q/k norm runs
+    that processor's original code; both hooks see their calls; still bitwise."""
+    model = tiny_sd3(**SD35)
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    seen: list[str] = []
+    block = model.transformer_blocks[0]
+    block.norm2.register_forward_hook(lambda *a: seen.append("norm2"))
+    block.attn.norm_added_k.register_forward_hook(lambda *a: seen.append("norm_added_k"))
+    assert torch.equal(run(model, **x), ref)
+    assert seen == ["norm_added_k", "norm2"]
+
+
+def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
+    model = tiny_sd3(**SD35)
+    model.transformer_blocks[1].norm2 = nn.LayerNorm(16, elementwise_affine=True).bfloat16()
+    nn.init.normal_(model.transformer_blocks[1].norm2.weight)
+    x = inputs()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    why = report.unfused["SD3Transformer2DModel"]["transformer_blocks.1"]
+    assert "norm2 is a LayerNorm, not a LayerNorm without affine" in why
+    assert report.models["SD3Transformer2DModel"]["fused blocks"] == 2
+    assert torch.equal(run(model, **x), ref)
+
+
+def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """Replace ``owner.<name>`` by a wrapper calling it: the same arithmetic, another
+    source, so another fingerprint."""
+    original = getattr(owner, name)
+
+    def changed(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, changed)
+
+
+@pytest.mark.parametrize(
+    ("where", "fragment"),
+    [
+        ("block", r"transformer_blocks\[0\] is a JointTransformerBlock whose forward"),
+        ("processor", r"JointAttnProcessor2_0.__call__ \(fingerprint \w+\) differs"),
+        ("norm", r"SD35AdaLayerNormZeroX.forward of diffusers .* differs"),
+        ("sparse", r"sparse attention is supported for WanTransformer3DModel.*not for SD3"),
+    ],
+)
+def test_refused_whole_changing_nothing(
+    monkeypatch: pytest.MonkeyPatch, where: str, fragment: str
+) -> None:
+    from diffusers.models import attention, attention_processor, normalization
+
+    model = tiny_sd3(**SD35)
+    x = inputs()
+    ref = run(model, **x)
+    options = {}
+    if where == "block":
+        _changed(monkeypatch, attention.JointTransformerBlock, "forward")
+    elif where == "processor":
+        _changed(monkeypatch, attention_processor.JointAttnProcessor2_0, "__call__")
+    elif where == "norm":
+        _changed(monkeypatch, normalization.SD35AdaLayerNormZeroX, "forward")
+    else:
+        options = {"attention": BlockSparseConfig(sparsity=0.5)}
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model, **options)
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn.processor).__name__ == "JointAttnProcessor2_0"
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_norms_false_changes_nothing_but_records_the_patch() -> None:
+    model = tiny_sd3(**SD35)
+    assert ditops.patch(model, norms=False).models["SD3Transformer2DModel"] == {}
+    assert "forward" not in vars(model.transformer_blocks[0])
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_is_an_independent_patched_model() -> None:
+    model = tiny_sd3(**SD35)
+    x = inputs()
+    ditops.patch(model, precision="exact")
+    before = run(model, **x)
+    twin = copy.deepcopy(model)
+    assert torch.equal(run(twin, **x), before)
+    with torch.no_grad():
+        for block in twin.transformer_blocks:
+            block.attn.norm_q.weight.mul_(0.5)
+    changed = run(twin, **x)
+    assert not torch.equal(changed, before)  # the copy runs its own weights
+    assert torch.equal(run(model, **x), before)
+    ditops.unpatch(twin)
+    assert torch.equal(run(twin, **x), changed)  # exact: unpatched, the same bits
+
+
+def test_patched_model_pickles_and_patches_again() -> None:
+    model = tiny_sd3(**SD35)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    fast = run(model, **x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(run(loaded, **x), fast)
+    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+    ditops.patch(loaded, precision="exact")
+    assert torch.equal(run(loaded, **x), ref)
+    ditops.unpatch(loaded)
+    assert not hasattr(loaded, "_ditops_patch")
+    assert torch.equal(run(loaded, **x), ref)
+
+
+@pytest.mark.slow
+def test_compile_fullgraph_without_recompiles() -> None:
+    """The patched SD3.5 model compiled before any eager call, fullgraph (aot_eager:
+    dynamo and AOT tracing through the ops' fake implementations), no recompile on the
+    second call, bitwise the unpatched model."""
+    torch._dynamo.reset()
+    x = inputs()
+    model = tiny_sd3(num_layers=2, **SD35)
+    ref = run(tiny_sd3(num_layers=2, **SD35), **x)
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    try:
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            first = run(compiled, **x)
+            again = run(compiled, **x)
+    finally:
+        torch._dynamo.reset()
+    assert torch.equal(first, again)
+    assert torch.equal(first, ref)
