@@ -57,6 +57,7 @@ def test_every_family_and_its_classes_are_in_the_families_tables() -> None:
 def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
+    from tests.integrations.test_diffusers_chroma import tiny_chroma
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
@@ -69,6 +70,7 @@ def _models() -> dict[str, nn.Module]:
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
         "sd3": tiny_sd3(**SD35),
+        "chroma": tiny_chroma(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations.chroma.family import CHROMA
 from ditops.integrations.flux.family import FLUX
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
@@ -47,6 +48,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     DeclaredFamily(SD3),
+    DeclaredFamily(CHROMA),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]
