@@ -215,6 +215,22 @@ def test_hooks_on_bypassed_norms_run_diffusers_code_bitwise() -> None:
     block.attn.norm_added_k.register_forward_hook(lambda *a: seen.append("norm_added_k"))
     assert torch.equal(run(model, **x), ref)
     assert seen == ["norm_added_k", "norm2"]
+    where = ditops.explain_patch(model)["SD3Transformer2DModel"]
+    assert where["transformer_blocks.0"] == "norm2 has a torch forward hook"
+    assert where["transformer_blocks.2"] == "fused"  # the last: norm2_context None, watched
+
+
+def test_a_processor_built_by_a_loader_is_the_original() -> None:
+    """diffusers' loaders build ``type(p)()``: no ops, JointAttnProcessor2_0's own code."""
+    from ditops.integrations.sd3.forwards import FusedJointAttnProcessor
+
+    model = tiny_sd3(**SD35)
+    attn = model.transformer_blocks[0].attn
+    h, c = torch.randn(1, 6, 16).bfloat16(), torch.randn(1, 3, 16).bfloat16()
+    with torch.inference_mode():
+        got = FusedJointAttnProcessor()(attn, h, c)
+        want = attn.processor(attn, h, c)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:

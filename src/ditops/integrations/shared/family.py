@@ -10,7 +10,8 @@ A family is a :class:`FamilySpec`, plain data:
   changed forward is refused), with what the twin computes without calling
   (``bypasses``: what the guard watches and :func:`ditops.explain_patch` reports), the
   checks that refuse the model (``problems``) or leave that block unfused (``unfused``),
-  and the attention submodule whose processor ditops wraps.
+  and the attention submodules whose processors ditops wraps (an attention module with
+  no prologue to fuse, ``plain``, keeps diffusers' processor).
 * ``attention``: :class:`Attention`, diffusers' processor classes ditops wraps, with
   ditops' processor for each, the fingerprints of their ``__call__``, and whether a
   processor of another class (IP-Adapter's, the user's) is kept or refused.
