@@ -10,10 +10,6 @@ must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -21,6 +17,12 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.lifecycle import (
+    change_source,
+    check_compile_fullgraph,
+    check_deep_copy,
+    check_pickles_and_patches_again,
+)
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -168,16 +170,6 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
-    """``owner.<name>`` replaced by a wrapper calling it: another source, fingerprint."""
-    original = getattr(owner, name)
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, changed)
-
-
 @pytest.mark.parametrize(
     ("where", "fragment"),
     [
@@ -195,9 +187,9 @@ def test_refused_whole_changing_nothing(
     model = tiny_chroma()
     options = {}
     if where == "block":
-        _changed(monkeypatch, tc.ChromaSingleTransformerBlock, "forward")
+        change_source(monkeypatch, tc.ChromaSingleTransformerBlock, "forward")
     elif where == "norm":
-        _changed(monkeypatch, tc.ChromaAdaLayerNormZeroPruned, "forward")
+        change_source(monkeypatch, tc.ChromaAdaLayerNormZeroPruned, "forward")
     elif where == "qk_eps":
         model.transformer_blocks[1].attn.norm_k.eps = 1e-5
     else:
@@ -215,58 +207,23 @@ def test_refused_whole_changing_nothing(
 # --- a patched model's life -------------------------------------------------------------------
 
 
+def _halve_q_norms(model: nn.Module) -> None:
+    for block in model.transformer_blocks:
+        block.attn.norm_q.weight.mul_(0.5)
+
+
 def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_chroma()
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.transformer_blocks:
-            block.attn.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)
-    assert torch.equal(run(model, **x), before)
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)
+    check_deep_copy(tiny_chroma(), inputs(), run, _halve_q_norms)
 
 
 def test_patched_model_pickles_and_patches_again() -> None:
-    model = tiny_chroma()
-    x = inputs(batch=2, mask=True)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), fast)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.patch(loaded, precision="exact")
-    assert torch.equal(run(loaded, **x), ref)
-    ditops.unpatch(loaded)
-    assert not hasattr(loaded, "_ditops_patch")
-    assert torch.equal(run(loaded, **x), ref)
+    check_pickles_and_patches_again(tiny_chroma(), inputs(batch=2, mask=True), run)
 
 
 @pytest.mark.slow
 def test_compile_fullgraph_without_recompiles() -> None:
-    """The patched model compiled before any eager call, fullgraph (aot_eager), no
-    recompile on the second call, bitwise the unpatched model; with the text mask."""
-    torch._dynamo.reset()
-    x = inputs(batch=2, mask=True)
-    small = dict(num_layers=1, num_single_layers=1)
-    ref = run(tiny_chroma(**small), **x)
-    model = tiny_chroma(**small)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            first = run(compiled, **x)
-            again = run(compiled, **x)
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(first, again)
-    assert torch.equal(first, ref)
+    """The patched model compiled before any eager call, fullgraph, no recompile, bitwise
+    the unpatched model (tests/integrations/lifecycle.py)."""
+    check_compile_fullgraph(
+        lambda: tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True), run
+    )

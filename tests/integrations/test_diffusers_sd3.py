@@ -11,10 +11,6 @@ models it must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -22,6 +18,12 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.lifecycle import (
+    change_source,
+    check_compile_fullgraph,
+    check_deep_copy,
+    check_pickles_and_patches_again,
+)
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -246,17 +248,6 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
-    """Replace ``owner.<name>`` by a wrapper calling it: the same arithmetic, another
-    source, so another fingerprint."""
-    original = getattr(owner, name)
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, changed)
-
-
 @pytest.mark.parametrize(
     ("where", "fragment"),
     [
@@ -276,11 +267,11 @@ def test_refused_whole_changing_nothing(
     ref = run(model, **x)
     options = {}
     if where == "block":
-        _changed(monkeypatch, attention.JointTransformerBlock, "forward")
+        change_source(monkeypatch, attention.JointTransformerBlock, "forward")
     elif where == "processor":
-        _changed(monkeypatch, attention_processor.JointAttnProcessor2_0, "__call__")
+        change_source(monkeypatch, attention_processor.JointAttnProcessor2_0, "__call__")
     elif where == "norm":
-        _changed(monkeypatch, normalization.SD35AdaLayerNormZeroX, "forward")
+        change_source(monkeypatch, normalization.SD35AdaLayerNormZeroX, "forward")
     else:
         options = {"attention": BlockSparseConfig(sparsity=0.5)}
     with pytest.raises(PatchError, match=fragment):
@@ -300,58 +291,21 @@ def test_norms_false_changes_nothing_but_records_the_patch() -> None:
 # --- a patched model's life -------------------------------------------------------------------
 
 
+def _halve_q_norms(model: nn.Module) -> None:
+    for block in model.transformer_blocks:
+        block.attn.norm_q.weight.mul_(0.5)
+
+
 def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_sd3(**SD35)
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.transformer_blocks:
-            block.attn.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)  # exact: unpatched, the same bits
+    check_deep_copy(tiny_sd3(**SD35), inputs(), run, _halve_q_norms)
 
 
 def test_patched_model_pickles_and_patches_again() -> None:
-    model = tiny_sd3(**SD35)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), fast)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.patch(loaded, precision="exact")
-    assert torch.equal(run(loaded, **x), ref)
-    ditops.unpatch(loaded)
-    assert not hasattr(loaded, "_ditops_patch")
-    assert torch.equal(run(loaded, **x), ref)
+    check_pickles_and_patches_again(tiny_sd3(**SD35), inputs(batch=2), run)
 
 
 @pytest.mark.slow
 def test_compile_fullgraph_without_recompiles() -> None:
-    """The patched SD3.5 model compiled before any eager call, fullgraph (aot_eager:
-    dynamo and AOT tracing through the ops' fake implementations), no recompile on the
-    second call, bitwise the unpatched model."""
-    torch._dynamo.reset()
-    x = inputs()
-    model = tiny_sd3(num_layers=2, **SD35)
-    ref = run(tiny_sd3(num_layers=2, **SD35), **x)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    try:
-        with torch._dynamo.config.patch(error_on_recompile=True):
-            first = run(compiled, **x)
-            again = run(compiled, **x)
-    finally:
-        torch._dynamo.reset()
-    assert torch.equal(first, again)
-    assert torch.equal(first, ref)
+    """The patched model compiled before any eager call, fullgraph, no recompile, bitwise
+    the unpatched model (tests/integrations/lifecycle.py)."""
+    check_compile_fullgraph(lambda: tiny_sd3(num_layers=2, **SD35), inputs(), run)
