@@ -83,3 +83,25 @@ def check_compile_fullgraph(build: Callable[[], nn.Module], x: dict, run: Run) -
         torch._dynamo.reset()
     assert torch.equal(first, again)
     assert torch.equal(first, ref)
+
+
+def check_offload(
+    build: Callable[[], nn.Module], x: dict, run: Run, mode: str, order: str, tmp: Any
+) -> dict[str, str]:
+    """The exact-patched model under an offload mode of tests/integrations/test_offload.py
+    (applied before or after the patch: ``order``) is bitwise the unpatched model under
+    the same offload; returns ``explain_patch``'s places for the caller to check."""
+    from tests.integrations.test_offload import MODES
+
+    apply = MODES[mode][0]
+    plain = build()
+    apply(plain, tmp / "a")
+    want = run(plain, **x)
+    model = build()
+    if order == "offload-first":
+        apply(model, tmp / "b")
+    ditops.patch(model, precision="exact")
+    if order == "patch-first":
+        apply(model, tmp / "b")
+    assert torch.equal(run(model, **x), want)
+    return ditops.explain_patch(model)[type(model).__name__]

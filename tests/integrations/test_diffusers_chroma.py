@@ -21,6 +21,7 @@ from tests.integrations.lifecycle import (
     change_source,
     check_compile_fullgraph,
     check_deep_copy,
+    check_offload,
     check_pickles_and_patches_again,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
@@ -227,3 +228,16 @@ def test_compile_fullgraph_without_recompiles() -> None:
     check_compile_fullgraph(
         lambda: tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True), run
     )
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
+@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
+def test_offload_gives_the_unpatched_model_under_the_same_offload(
+    mode: str, order: str, tmp_path
+) -> None:
+    """As tests/integrations/test_offload.py for FLUX: every block stays fused (the
+    pruned norms and the LayerNorms they bypass hold no parameters); bitwise the
+    unpatched model under the same offload."""
+    places = check_offload(tiny_chroma, inputs(batch=2, mask=True), run, mode, order, tmp_path)
+    blocks = [v for k, v in places.items() if "blocks." in k or k == "norm_out"]
+    assert len(blocks) == 5 and set(blocks) == {"fused"}, places

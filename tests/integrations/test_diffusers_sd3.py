@@ -22,6 +22,7 @@ from tests.integrations.lifecycle import (
     change_source,
     check_compile_fullgraph,
     check_deep_copy,
+    check_offload,
     check_pickles_and_patches_again,
 )
 from tests.integrations.spies import cpu_paths_of
@@ -309,3 +310,18 @@ def test_compile_fullgraph_without_recompiles() -> None:
     """The patched model compiled before any eager call, fullgraph, no recompile, bitwise
     the unpatched model (tests/integrations/lifecycle.py)."""
     check_compile_fullgraph(lambda: tiny_sd3(num_layers=2, **SD35), inputs(), run)
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
+@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
+def test_offload_gives_the_unpatched_model_under_the_same_offload(
+    mode: str, order: str, tmp_path, cpu_paths: dict[str, int]
+) -> None:
+    """As tests/integrations/test_offload.py for FLUX: the blocks stay fused under every
+    mode (the norms they bypass hold no parameters, so no offload hooks them); under
+    sequential and leaf-level offload the q/k norms (weights) carry hooks and the
+    processors run diffusers' code, the norms onloaded by their hooks. Bitwise."""
+    places = check_offload(lambda: tiny_sd3(**SD35), inputs(), run, mode, order, tmp_path)
+    assert all(places[f"transformer_blocks.{i}"] == "fused" for i in range(3)), places
+    hooked = mode in ("sequential", "group-leaf")
+    assert cpu_paths.get("rms_norm", 0) == (0 if hooked else 3 * 4 + 2)

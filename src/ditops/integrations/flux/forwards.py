@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.base import DenseProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -124,7 +124,7 @@ def single_block_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-class FusedFluxAttnProcessor(WrappingProcessor):
+class FusedFluxAttnProcessor(DenseProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
     ``qk_norm_rope`` (see :mod:`ditops.integrations.flux.family`); everything else is FLUX's code
     path.
@@ -138,22 +138,6 @@ class FusedFluxAttnProcessor(WrappingProcessor):
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
-            original = FluxAttnProcessor()
-        if sparse is not None:
-            raise ValueError("FusedFluxAttnProcessor: FLUX has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
 
     def __call__(
         self,

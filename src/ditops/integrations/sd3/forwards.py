@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import ada_emb, ada_modulate, mlp_half, norm_out_forward
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.base import DenseProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -91,7 +91,7 @@ def joint_block_forward(
     return c, h
 
 
-class FusedJointAttnProcessor(WrappingProcessor):
+class FusedJointAttnProcessor(DenseProcessor):
     """diffusers' ``JointAttnProcessor2_0`` with the q/k RMSNorms (per head) on ditops'
     ``rms_norm`` in diffusers' arithmetic (see :mod:`ditops.integrations.sd3.family`);
     everything else is that processor's code path, ``F.scaled_dot_product_attention``
@@ -104,22 +104,6 @@ class FusedJointAttnProcessor(WrappingProcessor):
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.attention_processor", "JointAttnProcessor2_0")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.attention_processor import JointAttnProcessor2_0
-
-            original = JointAttnProcessor2_0()
-        if sparse is not None:
-            raise ValueError("FusedJointAttnProcessor: SD3 has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): JointAttnProcessor2_0's own code
 
     # The parameters are the original's: diffusers' Attention passes a processor the
     # keyword arguments its __call__ names, so both receive the same ones.

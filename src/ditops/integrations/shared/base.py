@@ -32,6 +32,7 @@ Also here: what every family checks with (fingerprints, :func:`refuse`) and is
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import types
 from collections.abc import Callable
@@ -321,6 +322,27 @@ class WrappingProcessor:
             backend=self._attention_backend,
             parallel_config=self._parallel_config,
         )
+
+
+class DenseProcessor(WrappingProcessor):
+    """Base of ditops' processors that fuse the prologue of diffusers' dense attention
+    (FLUX's, SD3's): no sparse attention. Built as ``cls(original, ops=...)``; built as
+    diffusers' loaders build processors, ``type(p)()``, it wraps a new processor of the
+    class it ``wraps`` and, with no ops, runs that processor's own code."""
+
+    #: The diffusers processor the subclass wraps: (module, class name).
+    wraps: tuple[str, str]
+
+    def __init__(
+        self, original: Any | None = None, ops: Any = None, steps: Any = None, sparse: Any = None
+    ) -> None:
+        if original is None:
+            module, name = self.wraps
+            original = getattr(importlib.import_module(module), name)()
+        if sparse is not None:
+            raise ValueError(f"{type(self).__name__}: this family has no sparse attention")
+        super().__init__(original)
+        self.ops = ops
 
 
 def register_like(ours: type, theirs: type) -> None:
