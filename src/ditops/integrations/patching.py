@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations.chroma.family import CHROMA
-from ditops.integrations.flux.family import FLUX
-from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
-from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
-from ditops.integrations.sd3.family import SD3
+from ditops.integrations.chroma.family import SPEC as CHROMA
+from ditops.integrations.flux.family import SPEC as FLUX
+from ditops.integrations.hunyuan_video.family import FRAMEPACK
+from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
+from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
+from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -37,16 +38,17 @@ from ditops.integrations.shared.base import (
 from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
-from ditops.integrations.wan.family import WanFamily
+from ditops.integrations.wan.family import SPEC as WAN
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
 FAMILIES: tuple[ModelFamily, ...] = (
-    WanFamily(),
+    DeclaredFamily(WAN),
     DeclaredFamily(FLUX),
-    HunyuanVideoFamily(),
-    HunyuanVideo15Family(),
+    DeclaredFamily(HUNYUAN_VIDEO),
+    DeclaredFamily(HUNYUAN_VIDEO15),
+    DeclaredFamily(FRAMEPACK),
     DeclaredFamily(SD3),
     DeclaredFamily(CHROMA),
     GenericFamily(),

@@ -41,7 +41,7 @@ forward), the embeddings, attention processors of other classes (kept, blocks st
 fused). A block or output norm whose norms are of another kind runs diffusers' forward.
 Sparse attention is refused (image model).
 
-This module declares the family (:data:`CHROMA`); the fused forwards are in
+This module declares the family (:data:`SPEC`); the fused forwards are in
 :mod:`ditops.integrations.chroma.forwards`.
 """
 
@@ -64,7 +64,6 @@ from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
-    DeclaredFamily,
     FamilySpec,
     Fused,
     Relied,
@@ -123,9 +122,10 @@ def _norm_out_unfused(norm: nn.Module, where: str) -> list[str]:
     return [f for f in [_pruned_problem(norm, "", "ChromaAdaLayerNormContinuousPruned")] if f]
 
 
-CHROMA = FamilySpec(
+SPEC = FamilySpec(
     name="chroma",
     model_classes=("ChromaTransformer2DModel",),
+    summary="fused adaLN chain (modulations from the approximator) and attention prologue",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -154,8 +154,4 @@ CHROMA = FamilySpec(
         keep_others=True,  # IP-Adapter's (or the user's) stay; the blocks are fused
     ),
     relied_on=_relied_on,
-    summary="fused adaLN chain (modulations from the approximator) and attention prologue",
 )  # fmt: skip
-
-#: diffusers' ``ChromaTransformer2DModel``: fused adaLN chain and attention prologue.
-ChromaFamily = DeclaredFamily(CHROMA)

@@ -136,7 +136,6 @@ class FusedFluxAttnProcessor(DenseProcessor):
     tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
     """
 
-    #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
 
     def __call__(

@@ -49,7 +49,7 @@ arithmetic), counted as kept with the reason; processors of other classes (IP-Ad
 PAG's, the fused-projection one: kept, the blocks still fused). A block whose norms are
 of another kind runs diffusers' forward. Sparse attention is refused (image model).
 
-This module declares the family (:data:`SD3`); the fused forward and the processor are
+This module declares the family (:data:`SPEC`); the fused forward and the processor are
 in :mod:`ditops.integrations.sd3.forwards`.
 """
 
@@ -75,7 +75,6 @@ from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
-    DeclaredFamily,
     FamilySpec,
     Fused,
     Relied,
@@ -154,9 +153,10 @@ def qk_plain(attn: nn.Module, where: str) -> list[str]:
     return []
 
 
-SD3 = FamilySpec(
+SPEC = FamilySpec(
     name="sd3",
     model_classes=("SD3Transformer2DModel",),
+    summary="fused adaLN chain (SD3.5's dual attention too) and q/k RMSNorms",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -179,8 +179,4 @@ SD3 = FamilySpec(
         keep_others=True,  # IP-Adapter's, PAG's (or the user's) stay; the blocks are fused
     ),
     relied_on=_relied_on,
-    summary="fused adaLN chain (SD3.5's dual attention too) and q/k RMSNorms",
 )  # fmt: skip
-
-#: diffusers' ``SD3Transformer2DModel``: fused adaLN chain and q/k RMSNorms.
-SD3Family = DeclaredFamily(SD3)

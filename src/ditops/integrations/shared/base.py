@@ -300,8 +300,18 @@ class WrappingProcessor:
     parallelism, attend within each rank's shard: silently wrong.
     """
 
+    #: The diffusers processor a subclass wraps: (module, class name).
+    wraps: tuple[str, str] = ("", "")
+
     def __init__(self, original: Any) -> None:
         self.original = original
+
+    @classmethod
+    def original_processor(cls) -> Any:
+        """A new processor of the diffusers class this one wraps: what ``type(p)()`` (as
+        diffusers' loaders build processors) wraps."""
+        module, name = cls.wraps
+        return getattr(importlib.import_module(module), name)()
 
     _parallel_config = _on_original("_parallel_config")
     _attention_backend = _on_original("_attention_backend")
@@ -330,15 +340,11 @@ class DenseProcessor(WrappingProcessor):
     diffusers' loaders build processors, ``type(p)()``, it wraps a new processor of the
     class it ``wraps`` and, with no ops, runs that processor's own code."""
 
-    #: The diffusers processor the subclass wraps: (module, class name).
-    wraps: tuple[str, str]
-
     def __init__(
         self, original: Any | None = None, ops: Any = None, steps: Any = None, sparse: Any = None
     ) -> None:
         if original is None:
-            module, name = self.wraps
-            original = getattr(importlib.import_module(module), name)()
+            original = self.original_processor()
         if sparse is not None:
             raise ValueError(f"{type(self).__name__}: this family has no sparse attention")
         super().__init__(original)
@@ -370,6 +376,8 @@ class ModelFamily(Protocol):
     model_classes: tuple[str, ...]
     #: Whether ``patch(..., attention=BlockSparseConfig(...))`` is served (else refused).
     sparse_attention: bool
+    #: What the patch does, in a few words (the docs' families table).
+    summary: str
 
     def recognise(self, model: nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""
