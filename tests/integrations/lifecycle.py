@@ -105,3 +105,27 @@ def check_offload(
         apply(model, tmp / "b")
     assert torch.equal(run(model, **x), want)
     return ditops.explain_patch(model)[type(model).__name__]
+
+
+def check_triton_paths(
+    monkeypatch: pytest.MonkeyPatch, model: nn.Module, x: dict, run: Run, ops: tuple, tol: float
+) -> dict[str, int]:
+    """The fast-patched model with every op of ``ops`` (classes) on its Triton path (CPU
+    tensors through Triton's interpreter, dispatched as CUDA; strict: a fall back would
+    raise) within ``tol`` of the unpatched model; returns the calls per op."""
+    from ditops import config
+    from ditops.custom_op import reset_state
+    from tests.integrations.spies import install_spies
+    from tests.precision import max_rel_err
+
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = run(model, **x)
+    finally:
+        reset_state()
+    assert max_rel_err(out, ref) <= tol
+    return used

@@ -23,6 +23,7 @@ from tests.integrations.lifecycle import (
     check_deep_copy,
     check_offload,
     check_pickles_and_patches_again,
+    check_triton_paths,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
@@ -122,6 +123,20 @@ def test_fast_within_tolerance(dtype: str) -> None:
     out = run(model, **x)
     assert out.dtype == ref.dtype
     assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast
+    precision, with the text mask."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+
+    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+           qk_norm_rope.QKNormRopeOp)  # fmt: skip
+    model, x = tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True)
+    used = check_triton_paths(monkeypatch, model, x, run, ops, FAST_REL_TOL)
+    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
+                    "qk_norm_rope": 3}  # fmt: skip
 
 
 def test_hooks_on_bypassed_norms_run_diffusers_forward_bitwise() -> None:

@@ -24,6 +24,7 @@ from tests.integrations.lifecycle import (
     check_deep_copy,
     check_offload,
     check_pickles_and_patches_again,
+    check_triton_paths,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
@@ -147,6 +148,23 @@ def test_fast_within_tolerance(dtype: str) -> None:
     out = run(model, **x)
     assert out.dtype == ref.dtype
     assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast
+    precision, one dual-attention block and the last block."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+
+    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+           qk_norm_rope.RMSNormOp)  # fmt: skip
+    used = check_triton_paths(
+        monkeypatch, tiny_sd3(num_layers=2, **SD35), inputs(batch=2), run, ops, FAST_REL_TOL
+    )
+    # modulations: 3 (dual: norm1 twice) + 2 + 1 (norm_out); residual+norm: 2 + 1 (the
+    # last block has no text MLP); residuals: 3 (dual: attn's) + 1; q/k norms: 4 + 2 + 4
+    assert used == {"adaln_modulate": 6, "adaln_residual_modulate": 3, "adaln_residual": 4,
+                    "rms_norm": 10}  # fmt: skip
 
 
 def test_processor_calls_match_the_original_in_values_and_strides() -> None:
