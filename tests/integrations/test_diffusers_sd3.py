@@ -131,7 +131,7 @@ def test_sd35_exact_is_bitwise_equal_and_unpatch_restores(
         "rms_norm": 3 * 4 + 2,
     }
     processor = model.transformer_blocks[0].attn2.processor
-    assert type(processor).__name__ == "FusedJointAttnProcessor"
+    assert type(processor).__name__ == "FusedSD3AttnProcessor"
     ditops.unpatch(model)
     blocks = model.transformer_blocks
     assert type(blocks[0].attn2.processor).__name__ == "JointAttnProcessor2_0"
@@ -243,13 +243,13 @@ def test_hooks_on_bypassed_norms_run_diffusers_code_bitwise() -> None:
 
 def test_a_processor_built_by_a_loader_is_the_original() -> None:
     """diffusers' loaders build ``type(p)()``: no ops, JointAttnProcessor2_0's own code."""
-    from ditops.integrations.sd3.forwards import FusedJointAttnProcessor
+    from ditops.integrations.sd3.forwards import FusedSD3AttnProcessor
 
     model = tiny_sd3(**SD35)
     attn = model.transformer_blocks[0].attn
     h, c = torch.randn(1, 6, 16).bfloat16(), torch.randn(1, 3, 16).bfloat16()
     with torch.inference_mode():
-        got = FusedJointAttnProcessor()(attn, h, c)
+        got = FusedSD3AttnProcessor()(attn, h, c)
         want = attn.processor(attn, h, c)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
 

@@ -37,7 +37,7 @@ reads on :func:`~ditops.ops.modulation_model_dtype.adaln_residual_modulate`, the
 residuals on :func:`~ditops.ops.modulation_model_dtype.adaln_residual`, ``norm_out`` and
 the last ``norm1_context`` on ``adaln_modulate``; the feed-forwards, projections and
 attention itself are diffusers' modules. Attention runs
-:class:`~ditops.integrations.sd3.forwards.FusedJointAttnProcessor`, which is
+:class:`~ditops.integrations.sd3.forwards.FusedSD3AttnProcessor`, which is
 ``JointAttnProcessor2_0`` with each q/k RMSNorm on :func:`~ditops.ops.qk_norm_rope.rms_norm`
 (``convention="diffusers"``, one call per norm: the four norms have their own weights and
 SD3 has no rotary embedding, so ``qk_norm_rope`` does not apply). In exact precision the
@@ -60,7 +60,7 @@ from torch import nn
 from ditops.integrations.sd3.forwards import (
     JOINT_BYPASSES,
     QK_NORMS,
-    FusedJointAttnProcessor,
+    FusedSD3AttnProcessor,
     joint_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
@@ -174,7 +174,7 @@ SPEC = FamilySpec(
     ),
     ops=adaln_ops,
     attention=Attention(
-        {FusedJointAttnProcessor.wraps: FusedJointAttnProcessor},
+        {FusedSD3AttnProcessor.wraps: FusedSD3AttnProcessor},
         {"c7614f0efa2b00b9": DIFFUSERS_042},
         keep_others=True,  # IP-Adapter's, PAG's (or the user's) stay; the blocks are fused
     ),

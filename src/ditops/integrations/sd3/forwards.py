@@ -1,6 +1,6 @@
 """The fused forwards of a patched SD3 / SD3.5 model: ``JointTransformerBlock`` on ditops'
 adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched model) and
-:class:`FusedJointAttnProcessor`, SD3's joint attention with the q/k RMSNorms on
+:class:`FusedSD3AttnProcessor`, SD3's joint attention with the q/k RMSNorms on
 ``rms_norm``. The arithmetic they reproduce is written out in
 :mod:`ditops.integrations.sd3.family`, which checks a model and installs these.
 """
@@ -91,7 +91,7 @@ def joint_block_forward(
     return c, h
 
 
-class FusedJointAttnProcessor(DenseProcessor):
+class FusedSD3AttnProcessor(DenseProcessor):
     """diffusers' ``JointAttnProcessor2_0`` with the q/k RMSNorms (per head) on ditops'
     ``rms_norm`` in diffusers' arithmetic (see :mod:`ditops.integrations.sd3.family`);
     everything else is that processor's code path, ``F.scaled_dot_product_attention``
