@@ -7,15 +7,11 @@ the unpatched model in fp32, bf16 and fp16 with the fused CPU paths counted per 
 without affine parameters; fast precision within tolerance. Sparse attention: dense
 steps bitwise, sparse steps at the density asked (read from the layer) and close to
 dense, every block kept = the dense attention (test_diffusers_cogvideox_sparse.py).
-Then hooks, refusals, a patched model's life (unpatch, deep copy, pickle, torch.compile)
-and the Triton paths.
+Then hooks, refusals, a patched model's life (unpatch, deep copy, pickle, torch.compile,
+offload; the shared checks of tests/integrations/lifecycle.py) and the Triton paths.
 """
 
 from __future__ import annotations
-
-import copy
-import io
-import pickle
 
 import pytest
 import torch
@@ -24,6 +20,14 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.lifecycle import (
+    change_source,
+    check_compile_fullgraph,
+    check_deep_copy,
+    check_offload,
+    check_pickles_and_patches_again,
+    check_triton_paths,
+)
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -227,13 +231,6 @@ def test_a_norm_of_the_users_leaves_its_block_unfused() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-def _changed(fn):
-    def changed(*args, **kwargs):
-        return fn(*args, **kwargs)
-
-    return changed
-
-
 @pytest.mark.parametrize(
     ("owner", "name", "fragment"),
     [
@@ -255,7 +252,7 @@ def test_a_changed_diffusers_forward_is_refused_changing_nothing(
     package = "transformers." if module.startswith("cogvideox") else ""
     where = importlib.import_module(f"diffusers.models.{package}{module}")
     target = getattr(where, cls) if cls else where
-    monkeypatch.setattr(target, name, _changed(getattr(target, name)))
+    change_source(monkeypatch, target, name)
     model = tiny_cogvideox()
     with pytest.raises(PatchError, match=fragment):
         ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
@@ -278,86 +275,74 @@ def test_diffusers_fused_qkv_processor_is_kept_and_refused_for_sparse() -> None:
 # --- a patched model's life -------------------------------------------------------------------
 
 
-def test_deep_copy_is_independent_and_pickles() -> None:
-    model = tiny_cogvideox(layout="v15")
-    x = inputs(model, batch=2)
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
+def test_deep_copy_is_an_independent_patched_model() -> None:
+    def change(twin: nn.Module) -> None:
         for block in twin.transformer_blocks:
             block.norm1.norm.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)  # and the original is untouched
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), before)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+
+    model = tiny_cogvideox(layout="v15")
+    check_deep_copy(model, inputs(model, batch=2), run, change)
 
 
-def test_patching_again_switches_precision() -> None:
-    model = tiny_cogvideox()
-    x = inputs(model, batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    assert not torch.equal(run(model, **x), ref)  # the fp32 chain rounds once in bf16
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_patched_model_pickles_and_patches_again(dtype: str) -> None:
+    model = tiny_cogvideox(DTYPES[dtype])
+    check_pickles_and_patches_again(model, inputs(model, batch=2), run)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("layout", "dtype", "precision"),
-                         [("v10", "fp32", "exact"), ("v15", "bf16", "fast")])  # fmt: skip
-def test_compiled_patched_model_gives_the_same_output(
-    layout: str, dtype: str, precision: str
-) -> None:
-    """fullgraph, aot_eager (dynamo and AOT tracing through the kernels' fake
-    implementations; no inductor code generation): the fp32 chain's ops (fp32), and in
-    bf16 the choice of chain made from the precision in force, traced."""
+@pytest.mark.parametrize("layout", ["v10", "v15"])
+def test_compile_first_fullgraph_without_recompiles(layout: str) -> None:
+    """fp32: the fp32 chain's ops (tests/integrations/lifecycle.py)."""
+    build = lambda: tiny_cogvideox(torch.float32, layout, num_layers=1)  # noqa: E731
+    check_compile_fullgraph(build, inputs(build()), run)
+
+
+@pytest.mark.slow
+def test_compiled_fast_bf16_is_the_eager_patched_model() -> None:
+    """fullgraph, aot_eager: in bf16 the chain chosen from the precision in force (fast:
+    the fp32 ops), traced; the same bits as the eager patched model."""
     torch._dynamo.reset()
-    model = tiny_cogvideox(DTYPES[dtype], layout, num_layers=1)
+    model = tiny_cogvideox(torch.bfloat16, "v15", num_layers=1)
     x = inputs(model)
     ref = run(model, **x)
-    ditops.patch(model, precision=precision)
+    ditops.patch(model, precision="fast")
     eager = run(model, **x)
-    assert torch.equal(eager, ref) == (precision == "exact")
+    assert not torch.equal(eager, ref)  # fast rounds once where eager rounds four times
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    assert torch.equal(run(compiled, **x), eager)
-    torch._dynamo.reset()
+    try:
+        assert torch.equal(run(compiled, **x), eager)
+    finally:
+        torch._dynamo.reset()
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The patched model with every fused op on its Triton path (CPU tensors through
-    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
-    precision, bf16, against the unpatched model; attention itself runs diffusers' SDPA."""
-    from ditops import config
-    from ditops.custom_op import reset_state
+    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast, bf16;
+    attention itself runs diffusers' SDPA."""
     from ditops.ops import modulation_fp32, modulation_model_dtype, qk_norm_rope
-    from tests.integrations.spies import install_spies
 
+    ops = (modulation_fp32.LayerNormScaleShiftOp,
+           modulation_fp32.ScaleResidualLayerNormScaleShiftOp,
+           modulation_model_dtype.AdaLNResidualOp, qk_norm_rope.RotaryEmbeddingOp)  # fmt: skip
     model = tiny_cogvideox(layout="v15", num_layers=1)
-    x = inputs(model, batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            ops = (
-                modulation_fp32.LayerNormScaleShiftOp,
-                modulation_fp32.ScaleResidualLayerNormScaleShiftOp,
-                modulation_model_dtype.AdaLNResidualOp,
-                qk_norm_rope.RotaryEmbeddingOp,
-            )
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
+    used = check_triton_paths(monkeypatch, model, inputs(model, batch=2), run, ops, FAST_REL_TOL)
     assert used == {"layer_norm_scale_shift": 3, "scale_residual_layer_norm_scale_shift": 2,
                     "adaln_residual": 2, "rotary_embedding": 2}  # fmt: skip
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
+@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
+def test_offload_gives_the_unpatched_model_under_the_same_offload(
+    mode: str, order: str, tmp_path
+) -> None:
+    """Bitwise the unpatched model under the same offload (test_offload.py's modes).
+    CogVideoX's LayerNorms hold weights: sequential and leaf-level offload hook them, so
+    the blocks and the output norm run diffusers' forward (the guard), saying why."""
+    model = tiny_cogvideox()
+    places = check_offload(tiny_cogvideox, inputs(model, batch=2), run, mode, order, tmp_path)
+    assert set(places) == {"transformer_blocks.0", "transformer_blocks.1", "norm_out"}
+    if mode in ("model", "group-block"):
+        assert set(places.values()) == {"fused"}, places
+    else:
+        hook = "an accelerate hook" if mode == "sequential" else "diffusers hooks"
+        assert all(hook in why for why in places.values()), places
