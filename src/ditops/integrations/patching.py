@@ -25,6 +25,7 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.flux.family import FLUX
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
+from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -45,6 +46,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(FLUX),
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
+    DeclaredFamily(QWEN_IMAGE),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

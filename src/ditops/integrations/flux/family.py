@@ -133,6 +133,7 @@ def _single_unfused(block: nn.Module, where: str) -> list[str]:
 FLUX = FamilySpec(
     name="flux",
     model_classes=("FluxTransformer2DModel",),
+    summary="fused adaLN chain and attention prologue",
     blocks=(
         Blocks(
             ("transformer_blocks",),

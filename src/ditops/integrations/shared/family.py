@@ -154,6 +154,8 @@ class FamilySpec:
     by_blocks: bool = False
     #: What else must hold of the whole model (``model_problems(model, options)``).
     model_problems: Callable[[nn.Module, PatchOptions], list[str]] | None = None
+    #: What the patch does, a few words (the docs' families table).
+    summary: str = "fused blocks"
 
 
 @dataclass
@@ -188,6 +190,7 @@ class DeclaredFamily:
         self.spec = spec
         self.name = spec.name
         self.model_classes = spec.model_classes
+        self.summary = spec.summary
         self.sparse_attention = spec.sparse is not None
 
     def __repr__(self) -> str:
