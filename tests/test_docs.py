@@ -62,6 +62,7 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
     from tests.integrations.test_diffusers_qwen_image import tiny_qwen
     from tests.integrations.test_diffusers_wan import tiny_wan
+    from tests.integrations.test_diffusers_z_image import tiny_z_image
 
     return {
         "wan": tiny_wan(keep_fp32=True),
@@ -69,6 +70,7 @@ def _models() -> dict[str, nn.Module]:
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
         "qwen_image": tiny_qwen(),
+        "z_image": tiny_z_image(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

@@ -37,6 +37,7 @@ from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import WanFamily
+from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 
 logger = logging.getLogger("ditops")
 
@@ -47,6 +48,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     DeclaredFamily(QWEN_IMAGE),
+    DeclaredFamily(Z_IMAGE),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

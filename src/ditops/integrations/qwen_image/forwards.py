@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.complex_rope import complex_tables, exact_off_the_cpu
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -120,14 +121,6 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim))
 
 
-def complex_tables(freqs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(cos, sin)`` ``[L, D/2]`` of a complex ``[L, D/2]`` table (``QwenEmbedRope``'s),
-    None for any other table."""
-    if not isinstance(freqs, torch.Tensor) or freqs.dtype != torch.complex64 or freqs.dim() != 2:
-        return None
-    return freqs.real, freqs.imag
-
-
 class FusedQwenImageAttnProcessor(WrappingProcessor):
     """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with the attention prologue (the
     RMSNorms of q and k per head, then the complex rotation) on ditops' ``qk_norm_rope``;
@@ -168,9 +161,9 @@ class FusedQwenImageAttnProcessor(WrappingProcessor):
         """The (cos, sin) of the image and text tables when the fused prologue runs."""
         if self.ops is None or float64_call(hidden_states) or rotary is None or len(rotary) != 2:
             return None
-        if self.ops.qk.resolved_precision() == "exact" and hidden_states.device.type != "cpu":
+        if exact_off_the_cpu(self.ops.qk, hidden_states):
             return None
-        img, txt = (complex_tables(f) for f in rotary)
+        img, txt = (complex_tables(f, 2) for f in rotary)
         if img is None or txt is None:
             return None
         return img, txt
