@@ -11,20 +11,26 @@ and models it must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
+import functools
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 import ditops
-from ditops import config
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.custom_op import reset_state
-from ditops.integrations import PatchError
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of, install_spies
+from tests.integrations.family_life import (
+    Life,
+    compile_first_fullgraph,
+    deep_copy_is_independent,
+    fresh_process,  # noqa: F401 (a fixture)
+    on_the_triton_paths,
+    patched_model_pickles,
+    patching_again_switches_precision,
+    refused_whole,
+    sparse_refused,
+)
+from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
 
 diffusers = pytest.importorskip(
@@ -218,14 +224,19 @@ def test_other_processors_are_kept_and_the_blocks_still_fused() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-def _changed(name: str):
+LIFE = Life(
+    make=tiny_qwen,
+    inputs=lambda: inputs(batch=2),
+    run=run,
+    same=torch.equal,
+    block=lambda m: m.transformer_blocks[0],
+    attention=lambda m: m.transformer_blocks[0].attn,
+    processor=tq.QwenDoubleStreamAttnProcessor2_0,
+)
+
+
+def _changed(owner: object, attr: str):
     def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-        owner, attr = {
-            "block": (tq.QwenImageTransformerBlock, "forward"),
-            "modulate": (tq.QwenImageTransformerBlock, "_modulate"),
-            "rotary": (tq, "apply_rotary_emb_qwen"),
-            "processor": (tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
-        }[name]
         original = getattr(owner, attr)
 
         def changed(*args, **kwargs):
@@ -237,94 +248,51 @@ def _changed(name: str):
 
 
 def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    model.transformer_blocks[1].attn.norm_added_k.eps = 1e-5
+    monkeypatch.setattr(model.transformer_blocks[1].attn.norm_added_k, "eps", 1e-5)
 
 
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        (
-            _changed("block"),
-            r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose forward",
-        ),
-        (_changed("modulate"), r"QwenImageTransformerBlock._modulate of diffusers .* differs"),
-        (_changed("rotary"), r"apply_rotary_emb_qwen of diffusers .* differs"),
-        (_changed("processor"), r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \("),
+        (_changed(tq.QwenImageTransformerBlock, "forward"),
+         r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose"),
+        (_changed(tq.QwenImageTransformerBlock, "_modulate"),
+         r"QwenImageTransformerBlock._modulate of diffusers .* differs"),
+        (_changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
+        (_changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
+         r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \("),
         (_eps, r"transformer_blocks\[1\].attn.norm_added_q/norm_added_k have different eps"),
     ],
     ids=["block_forward", "modulate", "rotary", "processor", "qk_eps"],
-)
+)  # fmt: skip
 def test_models_it_was_not_written_for_are_refused_whole(
     change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_qwen()
-    x = inputs()
-    ref = run(model, **x)
-    change(monkeypatch, model)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor) is tq.QwenDoubleStreamAttnProcessor2_0
-    monkeypatch.undo()
-    assert torch.equal(run(model, **x), ref)
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
 def test_sparse_attention_is_refused_naming_the_families_that_serve_it() -> None:
-    model = tiny_qwen()
-    pattern = r"sparse attention is supported for .*WanTransformer3DModel.*not for " + NAME
-    with pytest.raises(PatchError, match=pattern):
-        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
-    assert not hasattr(model, "_ditops_patch")
+    sparse_refused(LIFE)
 
 
-# --- a patched model's life -------------------------------------------------------------------
+# --- a patched model's life (tests/integrations/family_life.py) -----------------------------
 
 
 def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_qwen()
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.transformer_blocks:
-            block.attn.norm_q.weight.mul_(0.5)
-            block.txt_mod[1].weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)  # exact: unpatched, the same bits
+    deep_copy_is_independent(
+        LIFE,
+        lambda m: [
+            w for b in m.transformer_blocks for w in (b.attn.norm_q.weight, b.txt_mod[1].weight)
+        ],
+    )
 
 
 def test_patched_model_pickles() -> None:
-    model = tiny_qwen()
-    x = inputs()
-    ditops.patch(model, precision="fast")
-    before = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), before)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.unpatch(loaded)
-    assert "forward" not in vars(loaded.transformer_blocks[0])
+    patched_model_pickles(LIFE)
 
 
 def test_patching_again_switches_precision() -> None:
-    x = inputs(batch=2)
-    model = tiny_qwen()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
-    ditops.patch(model, norms=True)  # precision kept
-    assert torch.equal(run(model, **x), fast)
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
+    patching_again_switches_precision(LIFE)
 
 
 def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
@@ -358,48 +326,14 @@ def test_first_block_cache_in_both_orders() -> None:
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
 
 
-@pytest.fixture
-def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
-
-
 @pytest.mark.slow
-def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None) -> None:
-    """The patched model compiled before any eager call, fullgraph (aot_eager: dynamo and
-    AOT tracing through the kernels' fake implementations), no recompile on the second
-    call, bitwise the unpatched model."""
-    x = inputs()
-    model = tiny_qwen(num_layers=1)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        first = run(compiled, **x)
-        again = run(compiled, **x)
-    assert torch.equal(first, again)
-    assert torch.equal(first, run(tiny_qwen(num_layers=1), **x))
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_first_fullgraph_without_recompiles() -> None:
+    compile_first_fullgraph(replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1)))
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
-    dispatched as CUDA; strict: a fall back would raise), fast precision."""
-    model = tiny_qwen(num_layers=1)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            from ditops.ops import modulation_model_dtype as adaln
-            from ditops.ops import qk_norm_rope
-
-            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, qk_norm_rope.QKNormRopeOp)
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
-    assert used == {"adaln_modulate": 3, "adaln_residual_modulate": 2, "qk_norm_rope": 2}
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+    one_block = replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1))
+    used = on_the_triton_paths(one_block, monkeypatch, FLUX_OPS, FAST_REL_TOL)
+    assert used == {"adaln_modulate": 3, "adaln_residual_modulate": 2, "adaln_residual": 2,
+                    "qk_norm_rope": 2}  # fmt: skip

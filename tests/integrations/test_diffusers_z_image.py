@@ -11,20 +11,27 @@ torch.compile, and models it must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
+import functools
+from dataclasses import replace
 
 import pytest
 import torch
 from torch import nn
 
 import ditops
-from ditops import config
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
-from tests.integrations.spies import cpu_paths_of, install_spies
+from tests.integrations.family_life import (
+    Life,
+    compile_first_fullgraph,
+    deep_copy_is_independent,
+    fresh_process,  # noqa: F401 (a fixture)
+    on_the_triton_paths,
+    patched_model_pickles,
+    patching_again_switches_precision,
+    refused_whole,
+    sparse_refused,
+)
+from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
 
 diffusers = pytest.importorskip(
@@ -215,6 +222,17 @@ def test_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert same(run(model, **x), ref)
 
 
+LIFE = Life(
+    make=tiny_z_image,
+    inputs=inputs,
+    run=run,
+    same=same,
+    block=lambda m: m.layers[0],
+    attention=lambda m: m.layers[0].attention,
+    processor=tz.ZSingleStreamAttnProcessor,
+)
+
+
 def _changed(owner: object, attr: str):
     def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
         original = getattr(owner, attr)
@@ -253,17 +271,7 @@ def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
 def test_models_it_was_not_written_for_are_refused_whole(
     change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_z_image()
-    x = inputs()
-    ref = run(model, **x)
-    change(monkeypatch, model)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.layers[0])
-    assert type(model.layers[0].attention.processor) is tz.ZSingleStreamAttnProcessor
-    monkeypatch.undo()
-    assert same(run(model, **x), ref)
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
 def test_without_qk_norms_is_refused() -> None:
@@ -274,104 +282,40 @@ def test_without_qk_norms_is_refused() -> None:
 
 
 def test_sparse_attention_is_refused_naming_the_families_that_serve_it() -> None:
-    model = tiny_z_image()
-    pattern = r"sparse attention is supported for .*WanTransformer3DModel.*not for " + NAME
-    with pytest.raises(PatchError, match=pattern):
-        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
-    assert not hasattr(model, "_ditops_patch")
+    sparse_refused(LIFE)
 
 
-# --- a patched model's life -------------------------------------------------------------------
+# --- a patched model's life (tests/integrations/family_life.py) -----------------------------
 
 
 def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_z_image()
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert same(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.layers:
-            block.attention.norm_q.weight.mul_(0.5)
-            block.ffn_norm1.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not same(changed, before)  # the copy runs its own weights
-    assert same(run(model, **x), before)
-    ditops.unpatch(twin)
-    assert same(run(twin, **x), changed)  # exact: unpatched, the same bits
+    def weights(model: nn.Module) -> list[torch.Tensor]:
+        return [p for b in model.layers for p in (b.attention.norm_q.weight, b.ffn_norm1.weight)]
+
+    deep_copy_is_independent(LIFE, weights)
 
 
 def test_patched_model_pickles() -> None:
-    model = tiny_z_image()
-    x = inputs()
-    ditops.patch(model, precision="fast")
-    before = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert same(run(loaded, **x), before)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.unpatch(loaded)
-    assert "forward" not in vars(loaded.layers[0])
+    patched_model_pickles(LIFE)
 
 
 def test_patching_again_switches_precision() -> None:
-    x = inputs()
-    model = tiny_z_image()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not same(fast, ref)  # fast rounds once: some bits differ
-    ditops.patch(model, norms=True)  # precision kept
-    assert same(run(model, **x), fast)
-    ditops.patch(model, precision="exact")
-    assert same(run(model, **x), ref)
+    patching_again_switches_precision(LIFE)
 
 
-@pytest.fixture
-def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
+def _rope_tables(model: nn.Module) -> None:
+    # diffusers' RopeEmbedder builds its tables on the first call under a device context
+    # manager, which dynamo does not trace (patched or not): built before compiling.
+    model.rope_embedder(torch.zeros(1, 3, dtype=torch.long))
 
 
 @pytest.mark.slow
-def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None) -> None:
-    """The whole patched model compiled before any eager call, fullgraph (aot_eager:
-    dynamo and AOT tracing through the kernels' fake implementations), no recompile on
-    the second call, bitwise the unpatched model."""
-    x = inputs()
-    model = tiny_z_image(n_layers=1)
-    # diffusers' RopeEmbedder builds its tables on the first call under a device context
-    # manager, which dynamo does not trace (patched or not): build them first.
-    model.rope_embedder(torch.zeros(1, 3, dtype=torch.long))
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        first = run(compiled, **x)
-        again = run(compiled, **x)
-    assert same(first, again)
-    assert same(first, run(tiny_z_image(n_layers=1), **x))
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_first_fullgraph_without_recompiles() -> None:
+    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
+    compile_first_fullgraph(one_layer, prepare=_rope_tables)
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
-    dispatched as CUDA; strict: a fall back would raise), fast precision."""
-    model = tiny_z_image(n_layers=1)
-    x = inputs()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            ops = [ditops.registered_ops()[name] for name in ZIMAGE_OPS]
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
-    assert used == per_forward(3)
-    assert all(max_rel_err(o, r) <= FAST_REL_TOL for o, r in zip(out, ref))
+    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
+    assert on_the_triton_paths(one_layer, monkeypatch, ZIMAGE_OPS, FAST_REL_TOL) == per_forward(3)

@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
-from ditops.integrations.shared.complex_rope import complex_tables, exact_off_the_cpu
-from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.complex_rope import ComplexRopeProcessor
+from ditops.integrations.shared.guard import Bypass
 from ditops.integrations.shared.ops import Ops
 
 #: Qwen-Image clips fp16 activations of both streams to the largest finite fp16.
@@ -121,7 +120,7 @@ def _heads(x: torch.Tensor, head_dim: int) -> torch.Tensor:
     return x.unflatten(-1, (-1, head_dim))
 
 
-class FusedQwenImageAttnProcessor(WrappingProcessor):
+class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
     """diffusers' ``QwenDoubleStreamAttnProcessor2_0`` with the attention prologue (the
     RMSNorms of q and k per head, then the complex rotation) on ditops' ``qk_norm_rope``;
     everything else is Qwen-Image's code path (see :mod:`ditops.integrations.qwen_image.family`).
@@ -133,40 +132,8 @@ class FusedQwenImageAttnProcessor(WrappingProcessor):
     product may round differently from the op's ``x * cos + rotate(x) * sin``).
     """
 
-    #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_qwenimage",
              "QwenDoubleStreamAttnProcessor2_0")  # fmt: skip
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers import transformer_qwenimage as tq
-
-            original = tq.QwenDoubleStreamAttnProcessor2_0()
-        if sparse is not None:
-            raise ValueError(
-                "FusedQwenImageAttnProcessor: Qwen-Image has no sparse attention in ditops"
-            )
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): diffusers' own code
-
-    def _tables(
-        self, hidden_states: torch.Tensor, rotary: Any
-    ) -> tuple[tuple[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None:
-        """The (cos, sin) of the image and text tables when the fused prologue runs."""
-        if self.ops is None or float64_call(hidden_states) or rotary is None or len(rotary) != 2:
-            return None
-        if exact_off_the_cpu(self.ops.qk, hidden_states):
-            return None
-        img, txt = (complex_tables(f, 2) for f in rotary)
-        if img is None or txt is None:
-            return None
-        return img, txt
 
     def __call__(
         self,
@@ -177,9 +144,11 @@ class FusedQwenImageAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
-        tables = self._tables(hidden_states, image_rotary_emb)
+        rotary = image_rotary_emb if isinstance(image_rotary_emb, tuple) else ()
+        tables = [self.tables(hidden_states, f, 2) for f in rotary]
         if (
-            tables is None
+            len(tables) != 2
+            or None in tables
             or encoder_hidden_states is None  # (the original raises diffusers' errors)
             or attention_mask is not None
             or qk_bypass().problem(attn) is not None
@@ -201,7 +170,7 @@ class FusedQwenImageAttnProcessor(WrappingProcessor):
         img, txt = hidden_states, encoder_hidden_states
         img_q, img_k, img_v = (_heads(p(img), D) for p in _projections(attn, False))
         txt_q, txt_k, txt_v = (_heads(p(txt), D) for p in _projections(attn, True))
-        (img_cos, img_sin), (txt_cos, txt_sin) = tables
+        (img_cos, img_sin), (txt_cos, txt_sin) = tables  # type: ignore[misc]
         qk = self.ops.qk  # type: ignore[union-attr]
         nq, nk = attn.norm_q, attn.norm_k
         img_q, img_k = qk(img_q, img_k, nq.weight, nk.weight, img_cos, img_sin, nq.eps,

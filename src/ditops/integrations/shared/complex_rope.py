@@ -12,9 +12,14 @@ have: exact precision off the CPU keeps diffusers' own code.
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 import torch
+
+from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.guard import float64_call
+from ditops.integrations.shared.ops import Ops
 
 
 def complex_tables(freqs: Any, dims: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -30,7 +35,37 @@ def complex_tables(freqs: Any, dims: int) -> tuple[torch.Tensor, torch.Tensor] |
     return freqs.real, freqs.imag
 
 
-def exact_off_the_cpu(op: Any, x: torch.Tensor) -> bool:
-    """Whether ``op`` would run exact precision on a device other than the CPU, where the
-    complex product may round differently from the op (see the module docstring)."""
-    return x.device.type != "cpu" and op.resolved_precision() == "exact"
+class ComplexRopeProcessor(WrappingProcessor):
+    """Base of the processors whose fused prologue rotates by complex tables: dense
+    attention only, the wrapped original built from :attr:`wraps` when a loader builds
+    the processor as ``type(p)()`` (then ``ops`` is None: the original's own code)."""
+
+    #: The diffusers processor a subclass wraps: (module, class name).
+    wraps: tuple[str, str]
+
+    def __init__(
+        self,
+        original: Any | None = None,
+        ops: Ops | None = None,
+        steps: Any = None,
+        sparse: Any = None,
+    ) -> None:
+        if original is None:
+            module, name = self.wraps
+            original = getattr(importlib.import_module(module), name)()
+        if sparse is not None:
+            raise ValueError(f"{type(self).__name__}: no sparse attention for this model")
+        super().__init__(original)
+        self.ops = ops
+
+    def tables(
+        self, hidden_states: torch.Tensor, freqs: Any, dims: int
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """``(cos, sin)`` of ``freqs`` (see :func:`complex_tables`) when the fused prologue
+        takes this call, else None: no ops, float64 activations, tables of another kind,
+        or exact precision off the CPU (see the module docstring)."""
+        if self.ops is None or float64_call(hidden_states):
+            return None
+        if hidden_states.device.type != "cpu" and self.ops.qk.resolved_precision() == "exact":
+            return None
+        return complex_tables(freqs, dims)

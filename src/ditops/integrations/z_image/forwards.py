@@ -12,9 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
-from ditops.integrations.shared.complex_rope import complex_tables, exact_off_the_cpu
-from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.complex_rope import ComplexRopeProcessor
+from ditops.integrations.shared.guard import Bypass
 from ditops.integrations.shared.ops import Ops
 
 #: The block's sandwich norms, which the fused forward computes without calling them.
@@ -124,7 +123,7 @@ def qk_bypass() -> Bypass:
     return Bypass((("norm_q", RMSNorm), ("norm_k", RMSNorm)))
 
 
-class FusedZImageAttnProcessor(WrappingProcessor):
+class FusedZImageAttnProcessor(ComplexRopeProcessor):
     """diffusers' ``ZSingleStreamAttnProcessor`` with the attention prologue (the RMSNorms
     of q and k per head, then the complex rotation) on ditops' ``qk_norm_rope``; everything
     else is Z-Image's code path (see :mod:`ditops.integrations.z_image.family`).
@@ -135,24 +134,7 @@ class FusedZImageAttnProcessor(WrappingProcessor):
     :mod:`~ditops.integrations.shared.complex_rope`).
     """
 
-    #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_z_image", "ZSingleStreamAttnProcessor")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers import transformer_z_image as tz
-
-            original = tz.ZSingleStreamAttnProcessor()
-        if sparse is not None:
-            raise ValueError("FusedZImageAttnProcessor: Z-Image has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): diffusers' own code
 
     def __call__(
         self,
@@ -162,10 +144,7 @@ class FusedZImageAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor | None = None,
         freqs_cis: torch.Tensor | None = None,
     ) -> Any:
-        tables = None
-        if self.ops is not None and not float64_call(hidden_states):
-            if not exact_off_the_cpu(self.ops.qk, hidden_states):
-                tables = complex_tables(freqs_cis, 3)
+        tables = self.tables(hidden_states, freqs_cis, 3)
         if tables is None or qk_bypass().problem(attn) is not None:
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, freqs_cis
