@@ -60,6 +60,7 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
+    from tests.integrations.test_diffusers_hunyuan_video_framepack import tiny as tiny_framepack
     from tests.integrations.test_diffusers_qwen_image import tiny_qwen
     from tests.integrations.test_diffusers_wan import tiny_wan
     from tests.integrations.test_diffusers_z_image import tiny_z_image
@@ -69,6 +70,7 @@ def _models() -> dict[str, nn.Module]:
         "flux": tiny_flux(),
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
+        "hunyuan_video_framepack": tiny_framepack(),
         "qwen_image": tiny_qwen(),
         "z_image": tiny_z_image(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),

@@ -22,9 +22,10 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations.flux.family import FLUX
-from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
-from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
+from ditops.integrations.flux.family import SPEC as FLUX
+from ditops.integrations.hunyuan_video.family import FRAMEPACK
+from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
+from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -36,17 +37,18 @@ from ditops.integrations.shared.base import (
 from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
-from ditops.integrations.wan.family import WanFamily
+from ditops.integrations.wan.family import SPEC as WAN
 from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
 FAMILIES: tuple[ModelFamily, ...] = (
-    WanFamily(),
+    DeclaredFamily(WAN),
     DeclaredFamily(FLUX),
-    HunyuanVideoFamily(),
-    HunyuanVideo15Family(),
+    DeclaredFamily(HUNYUAN_VIDEO),
+    DeclaredFamily(HUNYUAN_VIDEO15),
+    DeclaredFamily(FRAMEPACK),
     DeclaredFamily(QWEN_IMAGE),
     DeclaredFamily(Z_IMAGE),
     GenericFamily(),
