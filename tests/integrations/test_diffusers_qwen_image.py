@@ -195,6 +195,21 @@ def test_a_hook_on_a_q_norm_keeps_diffusers_prologue(cpu_paths: dict) -> None:
     assert cpu_paths["qk_norm_rope"] == 2  # the other block's prologue only
 
 
+def test_leaf_level_group_offloading_before_the_patch(cpu_paths: dict) -> None:
+    """diffusers' leaf-level group offloading hooks every module with weights: the q/k
+    norms' hooks keep diffusers' prologue (the fused one would read the weights without
+    onloading them); the blocks' norms have no weights, no hooks: they fuse."""
+    model = tiny_qwen()
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    cpu = torch.device("cpu")
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME]["fused blocks"] == 2
+    assert torch.equal(run(model, **x), ref)
+    assert "qk_norm_rope" not in cpu_paths and cpu_paths["adaln_residual_modulate"] == 4
+
+
 def test_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     model = tiny_qwen()
     model.transformer_blocks[0].img_norm2 = nn.LayerNorm(32, eps=1e-6).bfloat16()

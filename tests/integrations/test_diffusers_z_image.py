@@ -170,6 +170,20 @@ def test_exact_off_the_cpu_runs_diffusers_processor() -> None:
     assert len(called) == 1
 
 
+def test_exact_off_the_cpu_runs_diffusers_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU (meta tensors stand for the device) an exact block runs diffusers'
+    forward: an NPU's RMSNorm is npu_rms_norm, which the rms op's meaning is not."""
+    model = tiny_z_image()
+    ditops.patch(model, precision="exact")
+    called = []
+    monkeypatch.setattr(
+        tz.ZImageTransformerBlock, "forward", lambda *args: called.append(args) or "diffusers"
+    )
+    x = torch.empty(1, 6, 32, device="meta", dtype=torch.bfloat16)
+    assert model.context_refiner[0](x, None, None) == "diffusers"
+    assert len(called) == 1
+
+
 def test_a_hook_on_a_bypassed_norm_runs_that_block_unfused() -> None:
     model = tiny_z_image()
     x = inputs()

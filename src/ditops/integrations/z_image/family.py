@@ -30,8 +30,11 @@ has none), the final layer's modulated norm on
 :func:`~ditops.ops.modulation_model_dtype.adaln_modulate` (scale only), and the prologue on
 :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` (``convention="diffusers"``, the table's real
 and imaginary parts as cos and sin, per sample: see
-:mod:`~ditops.integrations.shared.complex_rope`; off the CPU, exact precision runs
-diffusers' processor). In exact precision the patched model is bitwise the unpatched one.
+:mod:`~ditops.integrations.shared.complex_rope`). Off the CPU, exact precision runs
+diffusers' blocks and processor (an NPU's diffusers RMSNorm calls ``npu_rms_norm``, a GPU
+may contract the complex product into fused multiply-adds; elsewhere the ops' exact
+meaning is diffusers' expressions: nothing to gain). In exact precision the patched model
+is bitwise the unpatched one.
 
 Left as diffusers runs it, and why: the products ``norm1(x) * scale`` before attention and
 the feed-forward (no op computes an RMSNorm times a scale with the rounding of the norm's
@@ -117,7 +120,7 @@ SPEC = FamilySpec(
     summary="fused norms, residuals and attention prologue",
     blocks=(
         Blocks(
-            ("noise_refiner", "context_refiner", "siglip_refiner", "layers"),
+            ("layers", "noise_refiner", "context_refiner", "siglip_refiner"),
             (Fused("ZImageTransformerBlock.forward", {"5e6d97275177d702": DIFFUSERS_042},
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attention",
                    prologue=_prologue_problems),),

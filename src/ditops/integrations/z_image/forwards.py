@@ -77,8 +77,15 @@ def block_forward(
     :mod:`ditops.integrations.z_image.family`).
 
     Installed through :func:`~ditops.integrations.shared.guard.install_guarded`: it runs only
-    while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
+    while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`). Exact
+    precision off the CPU runs diffusers' forward: on an NPU diffusers' RMSNorm calls
+    ``npu_rms_norm``, which the op's meaning is not; elsewhere the ops would run their
+    meaning, diffusers' own expressions, so nothing is gained.
     """
+    if x.device.type != "cpu" and ops.rms.resolved_precision() == "exact":
+        return type(block).forward(
+            block, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean
+        )
     scale_msa, gate_msa, scale_mlp, gate_mlp = _mods(
         block, x.shape[1], adaln_input, noise_mask, adaln_noisy, adaln_clean
     )
