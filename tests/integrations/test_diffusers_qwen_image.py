@@ -66,17 +66,20 @@ def tiny_qwen(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Mo
 
 
 def inputs(
-    dtype: torch.dtype = torch.bfloat16, batch: int = 1, shapes: tuple = ((1, 5, 6),)
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+    shapes: tuple = ((1, 5, 6),),
+    text: int = TEXT,
 ) -> dict:
     """A padded text mask on the first sample; ``shapes``: the images of each sample (more
     than one: an edit model's reference images)."""
     g = torch.Generator().manual_seed(1)
     tokens = sum(f * h * w for f, h, w in shapes)
-    mask = torch.ones(batch, TEXT, dtype=torch.long)
+    mask = torch.ones(batch, text, dtype=torch.long)
     mask[0, -2:] = 0
     return {
         "hidden_states": torch.randn(batch, tokens, 12, generator=g).to(dtype) * 2,
-        "encoder_hidden_states": torch.randn(batch, TEXT, 24, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(batch, text, 24, generator=g).to(dtype),
         "encoder_hidden_states_mask": mask,
         "timestep": torch.tensor([0.7] * batch, dtype=dtype),
         "img_shapes": [list(shapes)] * batch,
