@@ -148,13 +148,16 @@ def test_fast_patch_within_tolerance(dtype: str) -> None:
         assert torch.equal(out, ref)
 
 
-def test_without_a_text_mask_with_additional_t_cond() -> None:
-    model = tiny_qwen(use_additional_t_cond=True)
-    x = {**inputs(batch=2), "encoder_hidden_states_mask": None,
-         "additional_t_cond": torch.tensor([0, 1])}  # fmt: skip
+def test_layered_model_without_a_text_mask(cpu_paths: dict) -> None:
+    """Qwen-Image-Layered: layer-3D rotary tables (the layers, then the condition image)
+    and the additional timestep condition; no text mask."""
+    model = tiny_qwen(use_layer3d_rope=True, use_additional_t_cond=True)
+    x = inputs(batch=2, shapes=((1, 4, 4), (1, 4, 4), (1, 2, 3)))
+    x = {**x, "encoder_hidden_states_mask": None, "additional_t_cond": torch.tensor([0, 1])}
     ref = run(model, **x)
     ditops.patch(model, precision="exact")
     assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == PER_FORWARD
 
 
 def test_exact_off_the_cpu_runs_diffusers_processor() -> None:
