@@ -26,6 +26,8 @@ from ditops.integrations.flux.family import SPEC as FLUX
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
+from ditops.integrations.ltx2.family import LTX2Family
+from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -49,6 +51,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(HUNYUAN_VIDEO),
     DeclaredFamily(HUNYUAN_VIDEO15),
     DeclaredFamily(FRAMEPACK),
+    LTXVideoFamily,
+    LTX2Family,
     DeclaredFamily(QWEN_IMAGE),
     DeclaredFamily(Z_IMAGE),
     GenericFamily(),
