@@ -30,6 +30,7 @@ from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
+from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -42,6 +43,7 @@ from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
+from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 
 logger = logging.getLogger("ditops")
 
@@ -56,6 +58,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     LTX2Family,
     DeclaredFamily(SD3),
     DeclaredFamily(CHROMA),
+    DeclaredFamily(QWEN_IMAGE),
+    DeclaredFamily(Z_IMAGE),
     DeclaredFamily(COGVIDEOX),
     GenericFamily(),
 )
