@@ -56,6 +56,7 @@ def joint_sparse_attention(
     text_first: bool,
     keep: torch.Tensor | None = None,
     text_rows_mask: torch.Tensor | None = None,
+    video_lead: int | None = None,
 ) -> torch.Tensor:
     """One sparse step of a joint attention (see the module docstring).
 
@@ -68,6 +69,8 @@ def joint_sparse_attention(
         dense: the family's dense attention, ``[B, S, H, D]`` in and out.
         keep: bool ``[B, text]``, the text keys a key mask keeps (None: all).
         text_rows_mask: the mask the text queries are given (None: none).
+        video_lead: the leading video rows whose keys run dense (None: the first latent
+            frame's, :func:`frame_tokens`; HunyuanVideo-Framepack adds its history).
 
     Returns ``[B, N, H, D]``, rows in the order given.
     """
@@ -77,7 +80,7 @@ def joint_sparse_attention(
     video_rows = slice(text, n) if text_first else slice(0, video)
     text_out = dense(query[:, text_rows], key, value, text_rows_mask)
     poisoned = [False] * batch if keep is None else _padding_not_finite(key, value, keep, text_rows)
-    frame = frame_tokens(steps)
+    frame = frame_tokens(steps) if video_lead is None else video_lead
     block = sparse.config.block_size  # type: ignore[union-attr]
     outs = []
     for b in range(batch):
