@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
+from ditops.attention.layout import plan_chunks
 from ditops.core.checks import as_int
 
 #: method name -> (scores, allocation).
@@ -52,6 +53,9 @@ OP_DEFAULT_METHOD = "antidiagonal"
 DEFAULT_METHOD = "sampled"
 #: Query rows per block the sampled scores read by default.
 DEFAULT_SAMPLES = 4
+#: fp32 scores :func:`sampled_block_scores_fp32` holds at once (8 MiB: one head's 256
+#: sampled rows at 8k keys); chunks of twice that ran 1.4x slower on a 2-core EPYC.
+FP32_CHUNK_ELEMENTS = 1 << 21
 
 
 def check_method(
@@ -101,9 +105,11 @@ def sampled_block_scores(
 
     Computed as attention: the sampled rows attend to every key with, as values, the
     one-hot key-block indicator, so the output row *is* the mass per key block (SDPA:
-    its flash kernels run it at their speed per score, several times faster on CPU than
-    matmul + exp + sums; the one-hot values go ``D`` columns per call, padded to ``D``
-    so the flash kernel serves them, and on CPU are not copied per head). In
+    its flash kernels run it at their speed per score: on GPUs, and on CPUs with AMX,
+    where it was measured faster than matmul + exp + sums; without AMX the estimate's
+    CPU path runs :func:`sampled_block_scores_fp32` instead. The one-hot values go ``D``
+    columns per call, padded to ``D`` so the flash kernel serves them, and on CPU are
+    not copied per head). In
     ``compute_dtype`` (default q's); bf16/fp16 outputs round each mass to the dtype.
     Under ``causal`` a query block's candidates are the key blocks up to its own (block
     level, as the selection's).
@@ -131,6 +137,60 @@ def sampled_block_scores(
         mass = mass[..., : c1 - c0].float().reshape(batch, heads, q_blocks, samples, c1 - c0)
         out[..., c0:c1] = mass.sum(3)
     return out
+
+
+def sampled_block_scores_fp32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    samples: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """:func:`sampled_block_scores` computed in fp32 as a matmul and a softmax, a chunk
+    of heads and sampled rows at a time (at most :data:`FP32_CHUNK_ELEMENTS` scores):
+    the mass each block's sampled rows give each key block, exact to fp32 rounding
+    whatever q's dtype (no rounding of scores or masses to it).
+
+    The estimate's CPU path (:mod:`ditops.ops.estimate_block_mask`) on CPUs without
+    AMX: there, at [1, 12, 8192, 128] bf16 and 4 samples, it took 0.6x the CPU time of
+    the flash-kernel form (``benchmarks/cpu/probes/permute_cost.py``): the flash kernel
+    splits 256 query rows into 64-row tiles, fp32 GEMMs of all 256 at once run faster
+    per score than its bf16 tiles without AMX, and no one-hot values are multiplied.
+    """
+    batch, heads, q_len, _ = (int(s) for s in q.shape)
+    kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
+    group = heads // kv_heads
+    q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    rows = sample_rows(q_len, block_size, samples).to(q.device)
+    n_rows, full = int(rows.numel()), kv_len // block_size
+    qs = q.index_select(2, rows).float() * scale  # [B, N, R, D]: the scale in fp32, once
+    allowed = None
+    if causal:
+        col_block = torch.arange(kv_len, device=q.device) // block_size
+        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+    out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
+    head_chunk, row_chunk = plan_chunks(heads, n_rows, kv_len, samples, FP32_CHUNK_ELEMENTS)
+    for b in range(batch):
+        for h0 in range(0, heads, head_chunk):
+            h1 = min(heads, h0 + head_chunk)
+            kv = torch.arange(h0, h1, device=q.device) // group
+            kf = k[b].index_select(0, kv).float().transpose(1, 2)  # [h, D, Skv]
+            for r0 in range(0, n_rows, row_chunk):
+                r1 = min(n_rows, r0 + row_chunk)
+                probs = torch.softmax(_masked(qs[b, h0:h1, r0:r1] @ kf, allowed, r0, r1), -1)
+                mass = probs[..., : full * block_size].unflatten(-1, (full, block_size)).sum(-1)
+                if full < kv_blocks:  # a partial last key block
+                    rest = probs[..., full * block_size :].sum(-1, keepdim=True)
+                    mass = torch.cat([mass, rest], -1)
+                blocks = mass.unflatten(1, ((r1 - r0) // samples, samples)).sum(2)
+                out[b, h0:h1, r0 // samples : r1 // samples] = blocks
+    return out
+
+
+def _masked(scores: torch.Tensor, allowed: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
+    return scores if allowed is None else scores.masked_fill_(~allowed[r0:r1], float("-inf"))
 
 
 def select_per_head(
