@@ -12,8 +12,10 @@ runs as the op dispatches it (on a CPU without AMX: the sampled scores in fp32 b
 and softmax, ``sampled_block_scores_fp32``) and, for comparison in the same run, as the
 meaning (the flash-kernel scores in bf16: the code before that path, forced with
 ``config.override(custom_ops="-estimate_block_mask")``). Prints each as a share of dense
-SDPA (median over rounds of wall time, and of this process's CPU time: under load the
-CPU-time ratios move less) with the load average.
+SDPA (median over rounds of wall time, and of this process's CPU time) with the load
+average. On a shared machine ``--threads 1`` gives the steadier ratios: with two threads
+and other work on the cores, every parallel region of the clustering's many small ops
+waits (and spins) for a descheduled thread, which a single long SDPA call hardly does.
 """
 
 from __future__ import annotations
@@ -35,7 +37,13 @@ from ditops.ops.estimate_block_mask import estimate_block_mask
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--threads", type=int, default=None, help="torch threads (default: torch's choice)"
+    )
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    print(f"torch threads {torch.get_num_threads()}")
     q, k, v = scattered_attention(32, 16, 16, heads=12, dim=128, dtype=torch.bfloat16)
     fixed, keep = 256, 0.25
     opts = {"keep_ratio": keep, "dense_blocks": 2, "method": "sampled"}

@@ -54,7 +54,7 @@ DEFAULT_METHOD = "sampled"
 #: Query rows per block the sampled scores read by default.
 DEFAULT_SAMPLES = 4
 #: fp32 scores :func:`sampled_block_scores_fp32` holds at once (8 MiB: one head's 256
-#: sampled rows at 8k keys); chunks of twice that ran 1.4x slower on a 2-core EPYC.
+#: sampled rows at 8k keys); two heads at once ran 1.4x slower on a 2-core EPYC.
 FP32_CHUNK_ELEMENTS = 1 << 21
 
 
@@ -148,16 +148,18 @@ def sampled_block_scores_fp32(
     scale: float,
     causal: bool,
 ) -> torch.Tensor:
-    """:func:`sampled_block_scores` computed in fp32 as a matmul and a softmax, a chunk
-    of heads and sampled rows at a time (at most :data:`FP32_CHUNK_ELEMENTS` scores):
-    the mass each block's sampled rows give each key block, exact to fp32 rounding
-    whatever q's dtype (no rounding of scores or masses to it).
+    """:func:`sampled_block_scores` computed in fp32 as a matmul and a softmax, one head
+    and a chunk of its sampled rows at a time (at most :data:`FP32_CHUNK_ELEMENTS`
+    scores): the mass each block's sampled rows give each key block, exact to fp32
+    rounding whatever q's dtype (no rounding of scores or masses to it).
 
     The estimate's CPU path (:mod:`ditops.ops.estimate_block_mask`) on CPUs without
-    AMX: there, at [1, 12, 8192, 128] bf16 and 4 samples, it took 0.6x the CPU time of
-    the flash-kernel form (``benchmarks/cpu/probes/permute_cost.py``): the flash kernel
-    splits 256 query rows into 64-row tiles, fp32 GEMMs of all 256 at once run faster
-    per score than its bf16 tiles without AMX, and no one-hot values are multiplied.
+    AMX. On a 2-core AVX-512 EPYC at [1, 12, 8192, 128] bf16 and 4 samples
+    (``benchmarks/cpu/probes/permute_cost.txt``) it took 0.67-0.78x the time of the
+    flash-kernel form on one thread (the flash kernel splits 256 query rows into
+    64-row tiles of bf16 work without AMX, and multiplies the one-hot values too), and
+    0.87-1.0x on two: the fp32 scores of a head (8 MiB) go through memory three
+    times, which two threads share, where the flash kernel stays in cache.
     """
     batch, heads, q_len, _ = (int(s) for s in q.shape)
     kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
@@ -171,21 +173,23 @@ def sampled_block_scores_fp32(
         col_block = torch.arange(kv_len, device=q.device) // block_size
         allowed = col_block[None, :] <= (rows // block_size)[:, None]
     out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
-    head_chunk, row_chunk = plan_chunks(heads, n_rows, kv_len, samples, FP32_CHUNK_ELEMENTS)
+    # One head at a time, 2-D matmuls: ATen splits a batched matmul of a batch of one
+    # over its batch, one thread.
+    _, row_chunk = plan_chunks(1, n_rows, kv_len, samples, FP32_CHUNK_ELEMENTS)
     for b in range(batch):
-        for h0 in range(0, heads, head_chunk):
-            h1 = min(heads, h0 + head_chunk)
-            kv = torch.arange(h0, h1, device=q.device) // group
-            kf = k[b].index_select(0, kv).float().transpose(1, 2)  # [h, D, Skv]
+        kt = None
+        for h in range(heads):
+            if h % group == 0:  # each key head converted once, for its group of query heads
+                kt = k[b, h // group].float().T  # [D, Skv]
             for r0 in range(0, n_rows, row_chunk):
                 r1 = min(n_rows, r0 + row_chunk)
-                probs = torch.softmax(_masked(qs[b, h0:h1, r0:r1] @ kf, allowed, r0, r1), -1)
-                mass = probs[..., : full * block_size].unflatten(-1, (full, block_size)).sum(-1)
+                probs = torch.softmax(_masked(qs[b, h, r0:r1] @ kt, allowed, r0, r1), -1)
+                mass = probs[:, : full * block_size].unflatten(-1, (full, block_size)).sum(-1)
                 if full < kv_blocks:  # a partial last key block
-                    rest = probs[..., full * block_size :].sum(-1, keepdim=True)
+                    rest = probs[:, full * block_size :].sum(-1, keepdim=True)
                     mass = torch.cat([mass, rest], -1)
-                blocks = mass.unflatten(1, ((r1 - r0) // samples, samples)).sum(2)
-                out[b, h0:h1, r0 // samples : r1 // samples] = blocks
+                blocks = mass.unflatten(0, ((r1 - r0) // samples, samples)).sum(1)
+                out[b, h, r0 // samples : r1 // samples] = blocks
     return out
 
 
