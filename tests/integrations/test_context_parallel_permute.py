@@ -50,13 +50,17 @@ ORDERS = ("patch-enable", "enable-patch")
 
 
 def permuted_run(model: nn.Module, x: dict[str, torch.Tensor]) -> dict[str, Any]:
-    """Step 0 (dense), 1 (sparse, clusters cold) and 2 (warm) with masks and orders."""
+    """Step 0 (dense), 1 (sparse, clusters cold) and 2 (warm, other latents: clusters
+    move) with masks and orders."""
     layer = model.blocks[0].attn1.processor.sparse
+    g = torch.Generator().manual_seed(5)
+    moved = torch.randn(x["hidden_states"].shape, generator=g).to(x["hidden_states"].dtype)
     outs, orders = [], []
     with recorded_masks() as masks:
-        for step in (0, 1, 2):
+        for step, latents in ((0, None), (1, None), (2, moved)):
             layer._last_permutation = None
-            outs.append(forward(model, step, x))
+            xs = x if latents is None else {**x, "hidden_states": latents}
+            outs.append(forward(model, step, xs))
             perm = layer._last_permutation
             if step:
                 assert perm is not None, "a sparse step ran without its permutation"
@@ -129,6 +133,7 @@ def test_the_reference_permutes_and_runs_sparse(references: dict[str, Any]) -> N
     for ref in references.values():
         q_order, _ = ref["orders"][0]
         assert not torch.equal(q_order[0, 0], torch.arange(q_order.shape[-1]))
+        assert not torch.equal(ref["orders"][1][0], q_order)  # the warm step re-clustered
         assert len(ref["masks"]) == 4  # two sparse steps x two blocks
         assert all(0 < float(m.float().mean()) < 1 for m in ref["masks"])
 
