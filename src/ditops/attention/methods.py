@@ -155,11 +155,12 @@ def sampled_block_scores_fp32(
 
     The estimate's CPU path (:mod:`ditops.ops.estimate_block_mask`) on CPUs without
     AMX. On a 2-core AVX-512 EPYC at [1, 12, 8192, 128] bf16 and 4 samples
-    (``benchmarks/cpu/probes/permute_cost.txt``) it took 0.67-0.78x the time of the
+    (``benchmarks/cpu/probes/permute_cost.txt``) it took 0.62-0.67x the time of the
     flash-kernel form on one thread (the flash kernel splits 256 query rows into
     64-row tiles of bf16 work without AMX, and multiplies the one-hot values too), and
-    0.87-1.0x on two: the fp32 scores of a head (8 MiB) go through memory three
-    times, which two threads share, where the flash kernel stays in cache.
+    0.71x on two threads with the cores to themselves; with another process on a
+    core, two threads ran it slower than the flash kernel (its many short parallel
+    regions wait for a descheduled thread; the flash kernel is one).
     """
     batch, heads, q_len, _ = (int(s) for s in q.shape)
     kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
@@ -174,8 +175,10 @@ def sampled_block_scores_fp32(
         allowed = col_block[None, :] <= (rows // block_size)[:, None]
     out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
     # One head at a time, 2-D matmuls: ATen splits a batched matmul of a batch of one
-    # over its batch, one thread.
+    # over its batch, one thread. Scores and probabilities go to two buffers made once
+    # (fresh 8 MiB tensors per head cost their page faults: 0.9x the time without them).
     _, row_chunk = plan_chunks(1, n_rows, kv_len, samples, FP32_CHUNK_ELEMENTS)
+    buffers = torch.empty(2, min(row_chunk, n_rows), kv_len, device=q.device)
     for b in range(batch):
         kt = None
         for h in range(heads):
@@ -183,7 +186,9 @@ def sampled_block_scores_fp32(
                 kt = k[b, h // group].float().T  # [D, Skv]
             for r0 in range(0, n_rows, row_chunk):
                 r1 = min(n_rows, r0 + row_chunk)
-                probs = torch.softmax(_masked(qs[b, h, r0:r1] @ kt, allowed, r0, r1), -1)
+                scores, probs = buffers[0, : r1 - r0], buffers[1, : r1 - r0]
+                torch.mm(qs[b, h, r0:r1], kt, out=scores)
+                torch.softmax(_masked(scores, allowed, r0, r1), -1, out=probs)
                 mass = probs[:, : full * block_size].unflatten(-1, (full, block_size)).sum(-1)
                 if full < kv_blocks:  # a partial last key block
                     rest = probs[:, full * block_size :].sum(-1, keepdim=True)

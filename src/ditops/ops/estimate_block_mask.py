@@ -203,11 +203,12 @@ class EstimateBlockMask(CustomOp):
         matmuls take a fallback several times slower than fp32 (measured in
         benchmarks/cpu/probes/estimate_cost.py). Sampled scores by fp32 matmul and softmax
         (:func:`ditops.attention.methods.sampled_block_scores_fp32`) on any CPU without
-        AMX: exact to fp32, and on an AVX-512 EPYC 0.67-0.78x the time of the meaning's
-        bf16 flash attention on one thread, 0.87-1.0x on two
-        (benchmarks/cpu/probes/permute_cost.txt). Scores differ from the meaning's by its
-        roundings (of q * scale, the scores and the probabilities or masses to q's
-        dtype): masks agree except at near-ties, as the Triton estimate's do."""
+        AMX: exact to fp32, and on an AVX-512 EPYC 0.62-0.67x the time of the meaning's
+        bf16 flash attention on one thread, 0.71x on two (slower on two sharing their
+        cores with another process; benchmarks/cpu/probes/permute_cost.txt). Scores
+        differ from the meaning's by its roundings (of q * scale, the scores and the
+        probabilities or masses to q's dtype): masks agree except at near-ties, as the
+        Triton estimate's do."""
         sel = c.sel
         if sel.scoring == "sampled":  # converts the sampled rows and each head's keys only
             scores = sampled_block_scores_fp32(
