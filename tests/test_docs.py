@@ -57,13 +57,18 @@ def test_every_family_and_its_classes_are_in_the_families_tables() -> None:
 def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
+    from tests.integrations.test_diffusers_chroma import tiny_chroma
+    from tests.integrations.test_diffusers_cogvideox import tiny_cogvideox
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
     from tests.integrations.test_diffusers_hunyuan_video_framepack import tiny as tiny_framepack
     from tests.integrations.test_diffusers_ltx2 import tiny_ltx2
     from tests.integrations.test_diffusers_ltx_video import tiny_ltx
+    from tests.integrations.test_diffusers_qwen_image import tiny_qwen
+    from tests.integrations.test_diffusers_sd3 import SD35, tiny_sd3
     from tests.integrations.test_diffusers_wan import tiny_wan
+    from tests.integrations.test_diffusers_z_image import tiny_z_image
 
     return {
         "wan": tiny_wan(keep_fp32=True),
@@ -73,6 +78,11 @@ def _models() -> dict[str, nn.Module]:
         "hunyuan_video_framepack": tiny_framepack(),
         "ltx_video": tiny_ltx(),
         "ltx2": tiny_ltx2(),
+        "sd3": tiny_sd3(**SD35),
+        "chroma": tiny_chroma(),
+        "qwen_image": tiny_qwen(),
+        "z_image": tiny_z_image(),
+        "cogvideox": tiny_cogvideox(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

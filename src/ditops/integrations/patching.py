@@ -22,12 +22,16 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations.chroma.family import SPEC as CHROMA
+from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
 from ditops.integrations.flux.family import SPEC as FLUX
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
+from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
+from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -39,6 +43,7 @@ from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
+from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 
 logger = logging.getLogger("ditops")
 
@@ -51,6 +56,11 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(FRAMEPACK),
     LTXVideoFamily,
     LTX2Family,
+    DeclaredFamily(SD3),
+    DeclaredFamily(CHROMA),
+    DeclaredFamily(QWEN_IMAGE),
+    DeclaredFamily(Z_IMAGE),
+    DeclaredFamily(COGVIDEOX),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

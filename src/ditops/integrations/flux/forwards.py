@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.base import DenseProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -35,8 +35,9 @@ def _prologue_bypass(attn: nn.Module) -> Bypass:
     return Bypass(tuple((name, nn.RMSNorm) for name in names))
 
 
-def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
-    # FLUX's own guard, in its own place (after the residual adds it names).
+def clip_fp16(h: torch.Tensor) -> torch.Tensor:
+    """FLUX's (and Chroma's) own guard, in its own place (after the residual adds it
+    names): fp16 activations clipped to the largest finite fp16."""
     if h.dtype == torch.float16:
         return h.clip(-FP16_MAX, FP16_MAX)
     return h
@@ -64,6 +65,22 @@ def double_block_forward(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
+    return double_block_tail(block, ops, hidden_states, encoder_hidden_states, outputs, emb, c_emb)
+
+
+def double_block_tail(
+    block: nn.Module,
+    ops: Ops,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    emb: tuple[torch.Tensor, ...],
+    c_emb: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double-stream block after its attention (FLUX's, Chroma's): each stream's gated
+    residual, modulated ``norm2``, feed-forward and gated residual, IP-Adapter's output
+    added to the image stream, the text stream clipped in fp16. ``emb``/``c_emb``: each
+    stream's six modulation chunks."""
     if len(outputs) == 2:
         attn_output, context_attn_output = outputs
         ip_attn_output = None
@@ -71,7 +88,7 @@ def double_block_forward(
         attn_output, context_attn_output, ip_attn_output = outputs
     else:
         raise ValueError(
-            f"FluxTransformerBlock: the attention processor returned {len(outputs)} outputs; "
+            f"{type(block).__name__}: the attention processor returned {len(outputs)} outputs; "
             "expected 2 (image, text) or 3 (with IP-Adapter's)"
         )
     hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
@@ -81,7 +98,7 @@ def double_block_forward(
         ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
         block.ff_context,
     )  # fmt: skip
-    return _clip_fp16(encoder_hidden_states), hidden_states
+    return clip_fp16(encoder_hidden_states), hidden_states
 
 
 def single_block_forward(
@@ -103,11 +120,11 @@ def single_block_forward(
         hidden_states=n, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})
     )
     out = block.proj_out(torch.cat([attn_output, mlp_hidden_states], dim=2))
-    hidden_states = _clip_fp16(ops.residual(residual, out, gate.unsqueeze(1)))
+    hidden_states = clip_fp16(ops.residual(residual, out, gate.unsqueeze(1)))
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-class FusedFluxAttnProcessor(WrappingProcessor):
+class FusedFluxAttnProcessor(DenseProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
     ``qk_norm_rope`` (see :mod:`ditops.integrations.flux.family`); everything else is FLUX's code
     path.
@@ -120,20 +137,6 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     """
 
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        if sparse is not None:
-            raise ValueError("FusedFluxAttnProcessor: FLUX has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
 
     def __call__(
         self,
