@@ -2,7 +2,7 @@
 that does not depend on the allocator's mood, and the walk over a modulated call's rows.
 
 The exact kernels run eager ATen ops on blocks of rows small enough to stay in cache.
-Every temporary such a loop allocates is a malloc of a block's size (1-4 MiB). glibc
+Every temporary such a loop allocates is a malloc of a block's size (1-2 MiB). glibc
 serves those from the heap, reusing the memory just freed, only once its mmap threshold
 has grown past them (it starts at 128 KiB and grows after large frees); with the
 threshold fixed at its starting value (``MALLOC_MMAP_THRESHOLD_=131072``, or a program
@@ -12,7 +12,7 @@ malloc and blocked CPU kernels"). So:
 
 * The kernels' own temporaries live in :func:`scratch` blocks: per thread, allocated
   once, reused by every later call (at most ``_MAX_SLOTS`` blocks of a kernel's block
-  size, 10 MiB with the modulation kernels' 4 MiB blocks), freed when the thread ends
+  size, 5 MiB with the modulation kernels' 2 MiB blocks), freed when the thread ends
   or by :func:`release`.
 * The one temporary ATen allocates itself is LayerNorm's output: ``native_layer_norm``
   has no real ``out=`` kernel (its ``.out`` overload is generated: it allocates and

@@ -46,11 +46,15 @@ from ditops.kernels.cpu import blocks
 from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
-#: fp32 bytes per block of rows. Every ATen op on a block is one parallel region; on a
-#: busy machine each region waits for a descheduled worker thread, so fewer, larger
-#: blocks are far more robust, and on a quiet one the size barely matters. The
-#: temporaries (a few blocks) then sit in L3 rather than L2.
-_BLOCK_BYTES = 4 * 1024 * 1024
+#: fp32 bytes per block of rows. The kernels run one intra-op thread
+#: (:func:`blocks.kernel_threads`), so no parallel region waits on a descheduled worker
+#: and the size is a matter of cache: the fused op's working set is about four blocks
+#: (its scratch slots, LayerNorm's output, the rows in and out), which at 4 MiB spilled
+#: out of a shared L3. Measured at Wan's bench shape (bf16 [8064, 1536], exact, one
+#: thread, load 2.5-3.8, ``benchmarks/cpu/probes/wan_block_bytes.py``): 2 MiB ran the
+#: fused op 1.10-1.16x and the modulated norm 1.01-1.23x the speed of 4 MiB; 1 MiB was
+#: within noise of 2 MiB, 256 KiB 0.75-0.9x (per-call overhead).
+_BLOCK_BYTES = 2 * 1024 * 1024
 
 
 def rows_per_block(C: int) -> int:
