@@ -27,13 +27,16 @@ DELAY = {"native": 0.0, "forward_cpu": 0.0, "forward_cpu_b": 0.0}
 RAN: list[str] = []
 FAIL: set[str] = set()
 FAIL_AT: dict[str, tuple[int, ...]] = {}  # name -> its calls (1-based) that raise
+SLOW_FIRST: dict[str, tuple[float, ...]] = {}  # name -> the sleeps of its first calls
 
 
 def _run(name: str, x: torch.Tensor) -> torch.Tensor:
     RAN.append(name)
     if name in FAIL or RAN.count(name) in FAIL_AT.get(name, ()):
         raise RuntimeError(f"{name} exploded")
-    time.sleep(DELAY[name])
+    first = SLOW_FIRST.get(name, ())
+    n = RAN.count(name)
+    time.sleep(first[n - 1] if n <= len(first) else DELAY[name])
     return x * 2
 
 
@@ -77,6 +80,7 @@ def _clean(tmp_path: Path) -> Iterator[Path]:
     RAN.clear()
     FAIL.clear()
     FAIL_AT.clear()
+    SLOW_FIRST.clear()
     reset_state()
     saved = getattr(config._local, "override", None)
     config._local.override = replace(config.get(), tune="on", cache_dir=str(tmp_path))
@@ -133,6 +137,26 @@ def test_the_meaning_wins_where_the_paths_lose() -> None:
     RAN.clear()
     toy(torch.ones(4))
     assert RAN == ["native"]
+
+
+def test_timing_goes_on_while_a_competitor_is_still_warming_up() -> None:
+    # The meaning's first calls are slow and get faster (as fresh pages make a big op's
+    # first calls), then it is the fastest: two timed rounds would have kept forward_cpu.
+    DELAY.update(native=0.0, forward_cpu=0.02, forward_cpu_b=0.02)
+    SLOW_FIRST["native"] = (0.1, 0.08, 0.06, 0.04)
+    toy(torch.ones(4))
+    choice = next(iter(tune.choices().values()))
+    assert choice.winner == "forward_native"
+    assert 5 <= RAN.count("native") <= 1 + tune.MAX_ROUNDS
+    RAN.clear()
+    toy(torch.ones(4))
+    assert RAN == ["native"]
+
+
+def test_timing_stops_after_two_rounds_when_nothing_moves() -> None:
+    DELAY.update(native=0.02, forward_cpu=0.0, forward_cpu_b=0.02)
+    toy(torch.ones(4))
+    assert RAN.count("native") == 1 + tune.ROUNDS
 
 
 def test_the_static_choice_stays_unless_clearly_beaten() -> None:

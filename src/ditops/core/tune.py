@@ -17,15 +17,16 @@ so a model's calls make a handful of classes and a class is timed once.
 **Timing** (``on``), on the first call of a class: the path ``off`` would take runs first
 and its output is the call's result (timing never changes what a call returns); each
 other competitor then runs once to warm up (a compiled path compiles here), then
-:data:`ROUNDS` timed rounds run every competitor in alternating order (interleaved, so a
+timed rounds (:data:`ROUNDS`) run every competitor in alternating order (interleaved, so a
 busy neighbour weighs on all alike), and the fastest by its best round wins. The static
 choice is kept unless another is faster by :data:`KEEP_MARGIN`. Cost, once per class
-and machine: ``n - 1`` warm-ups and ``ROUNDS * n`` timed calls for ``n`` competitors
-(5 extra calls for a path against the meaning; for CPU FlexAttention its compile, some
-seconds, plus about six attention calls). Calls whose competitors are not all usable on
-this call (NaN inputs, grad enabled) and calls of a class another thread is timing take
-the static choice and time nothing. Never inside ``torch.compile`` tracing (a traced
-call keeps the static choice: the dispatcher does not come here then).
+and machine: ``n - 1`` warm-ups and ``ROUNDS * n`` to ``MAX_ROUNDS * n`` timed calls for
+``n`` competitors (5 to 17 extra calls for a path against the meaning; for CPU
+FlexAttention its compile, some seconds, plus about six attention calls). Calls whose
+competitors are not all usable on this call (NaN inputs, grad enabled) and calls of a
+class another thread is timing take the static choice and time nothing. Never inside
+``torch.compile`` tracing (a traced call keeps the static choice: the dispatcher does not
+come here then).
 
 **Memory and the cache.** Choices live in this process and in a JSON file per machine
 fingerprint (:func:`fingerprint`: CPU model and the flags that decide kernels, GPU
@@ -72,8 +73,13 @@ _Plan = Any
 
 logger = logging.getLogger("ditops")
 
-#: Timed rounds per competitor, after one warm-up call each.
-ROUNDS = 2
+#: Timed rounds per competitor after one warm-up each: ROUNDS, then more while a round
+#: still makes one markedly faster (:func:`_settling`), up to MAX_ROUNDS and SETTLE_SECONDS.
+#: A big op's first calls pay for fresh pages: at FLUX's bf16 [4608, 3072] the meaning of
+#: adaln_residual ran its first five at 2-5x its steady 4.5 ms, and two rounds kept a
+#: kernel that runs at 0.65x the meaning once both are warm.
+ROUNDS, MAX_ROUNDS, SETTLE_SECONDS = 2, 8, 2.0
+SETTLE_GAIN, SETTLE_MIN_S = 0.1, 1e-3
 #: The static choice stays unless another competitor is faster by this fraction.
 KEEP_MARGIN = 0.03
 #: Returned by :func:`dispatch` when the static choice should run (nothing tuned applies).
@@ -344,9 +350,9 @@ def _measure(
 def _race(
     kind: str, key: str, runs: list[tuple[str, Callable[[], Any]]], warmed: int
 ) -> dict[str, float]:
-    """Best seconds of each run over :data:`ROUNDS` interleaved rounds (alternating order),
-    after one warm-up each (the first ``warmed`` had theirs: a compile happens there); a
-    run that raises loses (inf) and the call goes on."""
+    """Best seconds of each run over interleaved rounds (alternating order; see
+    :data:`ROUNDS`), after one warm-up each (the first ``warmed`` had theirs: a compile
+    happens there); a run that raises loses (inf) and the call goes on."""
     alive = list(runs[:warmed])
     for name, fn in runs[warmed:]:
         try:
@@ -355,7 +361,9 @@ def _race(
         except Exception as exc:  # noqa: BLE001 - a loser; the dispatcher meets it later
             logger.debug("ditops tuning %s: %s raised %r, not timed", key, name, exc)
     best = {name: math.inf for name, _ in runs}
-    for r in range(ROUNDS):
+    start = time.perf_counter()
+    for r in range(MAX_ROUNDS):
+        settling = False
         for name, fn in alive if r % 2 == 0 else alive[::-1]:
             _sync(kind)
             t0 = time.perf_counter()
@@ -366,8 +374,17 @@ def _race(
                 alive = [a for a in alive if a[0] != name]
                 continue
             _sync(kind)
-            best[name] = min(best[name], time.perf_counter() - t0)
+            took = time.perf_counter() - t0
+            settling = settling or _settling(best[name], took)
+            best[name] = min(best[name], took)
+        if r + 1 >= ROUNDS and (not settling or time.perf_counter() - start > SETTLE_SECONDS):
+            break
     return best
+
+
+def _settling(best: float, took: float) -> bool:
+    """A timed call beat its competitor's best so far by SETTLE_GAIN and SETTLE_MIN_S."""
+    return best < math.inf and best - took > max(SETTLE_GAIN * took, SETTLE_MIN_S)
 
 
 def _decide(
