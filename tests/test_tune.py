@@ -28,6 +28,10 @@ RAN: list[str] = []
 FAIL: set[str] = set()
 FAIL_AT: dict[str, tuple[int, ...]] = {}  # name -> its calls (1-based) that raise
 SLOW_FIRST: dict[str, tuple[float, ...]] = {}  # name -> the sleeps of its first calls
+#: the tuner's threshold for timing more rounds; the tests that count calls set it out of
+#: reach (a sleep overshooting on a loaded machine would add a round), those of the
+#: extra rounds put it back
+SETTLE_MIN_S = tune.SETTLE_MIN_S
 
 
 def _run(name: str, x: torch.Tensor) -> torch.Tensor:
@@ -74,13 +78,14 @@ toy = ToyTuned()
 
 
 @pytest.fixture(autouse=True)
-def _clean(tmp_path: Path) -> Iterator[Path]:
+def _clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     """Tuning on, the cache in a fresh folder (this thread's settings, as override())."""
     DELAY.update(native=0.0, forward_cpu=0.0, forward_cpu_b=0.0)
     RAN.clear()
     FAIL.clear()
     FAIL_AT.clear()
     SLOW_FIRST.clear()
+    monkeypatch.setattr(tune, "SETTLE_MIN_S", 1e9)
     reset_state()
     saved = getattr(config._local, "override", None)
     config._local.override = replace(config.get(), tune="on", cache_dir=str(tmp_path))
@@ -139,7 +144,10 @@ def test_the_meaning_wins_where_the_paths_lose() -> None:
     assert RAN == ["native"]
 
 
-def test_timing_goes_on_while_a_competitor_is_still_warming_up() -> None:
+def test_timing_goes_on_while_a_competitor_is_still_warming_up(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(tune, "SETTLE_MIN_S", SETTLE_MIN_S)
     # The meaning's first calls are slow and get faster (as fresh pages make a big op's
     # first calls), then it is the fastest: two timed rounds would have kept forward_cpu.
     DELAY.update(native=0.0, forward_cpu=0.02, forward_cpu_b=0.02)
@@ -153,10 +161,12 @@ def test_timing_goes_on_while_a_competitor_is_still_warming_up() -> None:
     assert RAN == ["native"]
 
 
-def test_timing_stops_after_two_rounds_when_nothing_moves() -> None:
+def test_timing_stops_early_when_nothing_moves(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(tune, "SETTLE_MIN_S", SETTLE_MIN_S)
     DELAY.update(native=0.02, forward_cpu=0.0, forward_cpu_b=0.02)
     toy(torch.ones(4))
-    assert RAN.count("native") == 1 + tune.ROUNDS
+    # two rounds, one more now and then where a sleep overshot on a loaded machine
+    assert 1 + tune.ROUNDS <= RAN.count("native") < 1 + tune.MAX_ROUNDS
 
 
 def test_the_static_choice_stays_unless_clearly_beaten() -> None:
