@@ -58,6 +58,7 @@ def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
     from tests.integrations.test_diffusers_flux import tiny_flux
+    from tests.integrations.test_diffusers_flux2 import tiny_flux2
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
     from tests.integrations.test_diffusers_wan import tiny_wan
@@ -65,6 +66,7 @@ def _models() -> dict[str, nn.Module]:
     return {
         "wan": tiny_wan(keep_fp32=True),
         "flux": tiny_flux(),
+        "flux2": tiny_flux2(),
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),

@@ -1,6 +1,6 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, FLUX.2,
 HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
@@ -23,6 +23,7 @@ from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.flux.family import FLUX
+from ditops.integrations.flux2.family import FLUX2
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
 from ditops.integrations.shared.base import (
@@ -43,6 +44,7 @@ logger = logging.getLogger("ditops")
 FAMILIES: tuple[ModelFamily, ...] = (
     WanFamily(),
     DeclaredFamily(FLUX),
+    DeclaredFamily(FLUX2),
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     GenericFamily(),
