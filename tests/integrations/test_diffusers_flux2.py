@@ -129,6 +129,18 @@ def test_fast_patch_within_tolerance(dtype: str) -> None:
     assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
+def test_fused_projections_and_guidance(cpu_paths: dict[str, int]) -> None:
+    """``fuse_qkv_projections`` (to_qkv / to_added_qkv, diffusers' own split) and the
+    guidance embedding of the guidance-distilled FLUX.2 [dev]."""
+    model = tiny_flux2(guidance_embeds=True)
+    model.fuse_qkv_projections()
+    x = {**inputs(batch=2), "guidance": torch.tensor([3.5, 3.5], dtype=torch.bfloat16)}
+    ref = run(model, **x)
+    assert ditops.patch(model, precision="exact").models[NAME] == FUSED
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == PER_FORWARD
+
+
 def _kv_runs(model: nn.Module, x: dict) -> list[torch.Tensor]:
     """The Klein KV pipeline's two modes: a first step extracting the reference tokens'
     K/V (per-token modulations blended for them), then one attending to the cache."""
