@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
 :func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, FLUX.2,
-HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+Mochi, HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -26,6 +26,7 @@ from ditops.integrations.flux.family import FLUX
 from ditops.integrations.flux2.family import FLUX2
 from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
 from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
+from ditops.integrations.mochi.family import MOCHI
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -45,6 +46,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     WanFamily(),
     DeclaredFamily(FLUX),
     DeclaredFamily(FLUX2),
+    DeclaredFamily(MOCHI),
     HunyuanVideoFamily(),
     HunyuanVideo15Family(),
     GenericFamily(),

@@ -1,0 +1,326 @@
+"""ditops.patch on a tiny diffusers MochiTransformer3DModel built from keyword arguments.
+
+Parity: exact precision is bitwise the unpatched model in fp32, bf16 and fp16, with
+padded text per sample (a sample with no text at all too), the fused CPU paths shown to
+run and counted per forward; fast precision within tolerance; unpatch restores. Then
+what a patch must survive (deep copies, pickling, patching again, FirstBlockCache in
+both orders, a torch hook on a bypassed norm, torch.compile) and what it must refuse.
+"""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops import config
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.custom_op import reset_state
+from ditops.integrations import PatchError
+from tests.integrations.spies import cpu_paths_of
+from tests.precision import max_rel_err
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import MochiTransformer3DModel  # noqa: E402
+from diffusers.models import attention_processor as ap  # noqa: E402
+from diffusers.models.transformers import transformer_mochi as tm  # noqa: E402
+
+FAST_REL_TOL = 2e-2
+NAME = "MochiTransformer3DModel"
+TINY = dict(
+    patch_size=2,
+    num_attention_heads=2,
+    attention_head_dim=16,
+    num_layers=2,  # the second is the last: context_pre_only
+    pooled_projection_dim=24,
+    in_channels=4,
+    text_embed_dim=24,
+    time_embed_dim=8,
+    max_sequence_length=16,
+)
+TEXT = 9
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_mochi(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
+    torch.manual_seed(0)
+    model = MochiTransformer3DModel(**{**TINY, **overrides}).to(dtype).eval()
+    with torch.no_grad():
+        model.pos_frequencies.normal_()  # zeros (diffusers' init) would not rotate
+    return model
+
+
+def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2, empty: bool = False) -> dict:
+    """Two samples with 9 and 5 text tokens (``empty``: the second with none)."""
+    g = torch.Generator().manual_seed(1)
+    mask = torch.ones(batch, TEXT, dtype=torch.long)
+    if batch > 1:
+        mask[1, 0 if empty else 5 :] = 0
+    return {
+        "hidden_states": torch.randn(batch, 4, 3, 4, 6, generator=g).to(dtype),
+        "encoder_hidden_states": torch.randn(batch, TEXT, 24, generator=g).to(dtype),
+        "timestep": torch.tensor([700, 300, 500][:batch]),
+        "encoder_attention_mask": mask,
+    }
+
+
+def run(model: nn.Module, **kw: object) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**kw, return_dict=False)[0]
+
+
+cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
+
+#: One forward: block 0 norms 8 rows sets (norm1..4 of both streams), block 1 (the last:
+#: context_pre_only) 5; each attention norms the text's q and k (2) and runs one fused
+#: video prologue; the output norm.
+PER_FORWARD = {"rms_norm": 8 + 5 + 2 * 2, "qk_norm_rope": 2, "adaln_modulate": 1}
+FUSED = {"fused blocks": 2, "fused attention prologues": 2, "fused output norm": 1}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch", "empty"),
+    [("fp32", 2, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, False)],
+)
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, empty: bool, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_mochi(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch, empty)
+    ref = run(model, **x)
+    assert ditops.patch(model, precision="exact").models[NAME] == FUSED
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == PER_FORWARD
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[1].attn1.processor) is ap.MochiAttnProcessor2_0
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_patch_within_tolerance(dtype: str) -> None:
+    model = tiny_mochi(DTYPES[dtype])
+    x = inputs(DTYPES[dtype])
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_tables_in_another_dtype() -> None:
+    """bf16 tables: Mochi rotates in fp32 (so does the op, given them widened); fp64: in
+    fp64, so the processor runs Mochi's code."""
+    model = tiny_mochi()
+    ditops.patch(model, precision="exact")
+    attn = model.transformer_blocks[0].attn1
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(2, 6, 32, generator=g).bfloat16()
+    c = torch.randn(2, 4, 24, generator=g).bfloat16()
+    mask = torch.tensor([[1, 1, 1, 1], [1, 1, 0, 0]])
+    freqs = torch.randn(6, 2, 8, generator=g)
+    for dtype in (torch.bfloat16, torch.float64):
+        rope = (freqs.cos().to(dtype), freqs.sin().to(dtype))
+        with torch.inference_mode():
+            got = attn.processor(attn, h, c, mask, rope)
+            want = attn.processor.original(attn, h, c, mask, rope)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+def test_a_processor_built_by_a_loader_runs_the_original_code() -> None:
+    model = tiny_mochi()
+    ditops.patch(model, precision="exact")
+    built = type(model.transformer_blocks[0].attn1.processor)()
+    assert built.ops is None and type(built.original) is ap.MochiAttnProcessor2_0
+
+
+def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
+    model = tiny_mochi()
+    norm = model.transformer_blocks[0].norm3_context
+    norm.norm = diffusers.models.normalization.RMSNorm(24, 1e-6, True).bfloat16()  # the text width
+    nn.init.normal_(norm.norm.weight)
+    x = inputs()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert "norm3_context is a MochiModulatedRMSNorm, not a MochiModulatedRMSNorm over an " \
+        "RMSNorm without weight" in report.unfused[NAME]["transformer_blocks.0"]  # fmt: skip
+    assert report.models[NAME]["fused blocks"] == 1
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize(
+    ("block", "norm", "fewer"),
+    [(0, "norm4_context.norm", 8), (1, "norm1_context.norm.norm", 5)],
+    ids=["full_block", "last_block"],
+)
+def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
+    block: int, norm: str, fewer: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_mochi()
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    seen = []
+    handle = (
+        model.transformer_blocks[block]
+        .get_submodule(norm)
+        .register_forward_hook(lambda m, a, out: seen.append(out.dtype))
+    )
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [torch.float32]
+    assert cpu_paths["rms_norm"] == PER_FORWARD["rms_norm"] - fewer  # that block's norms
+    handle.remove()
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths["rms_norm"] == 2 * PER_FORWARD["rms_norm"] - fewer
+
+
+def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    original = getattr(owner, name)
+
+    def changed(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, changed)
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "fragment"),
+    [
+        (
+            tm.MochiTransformerBlock,
+            "forward",
+            r"transformer_blocks\[0\] is a MochiTransformerBlock",
+        ),
+        (ap.MochiAttnProcessor2_0, "__call__", r"attn1.processor .*differs from the versions"),
+        (tm.MochiModulatedRMSNorm, "forward", r"MochiModulatedRMSNorm.forward of diffusers"),
+        (diffusers.models.normalization.MochiRMSNorm, "forward", r"MochiRMSNorm.forward of"),
+    ],
+    ids=["block", "processor", "modulated_norm", "qk_norm"],
+)
+def test_a_changed_diffusers_function_is_refused(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str
+) -> None:
+    _changed(monkeypatch, owner, name)
+    model = tiny_mochi()
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn1.processor) is ap.MochiAttnProcessor2_0
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "fragment"),
+    [
+        (
+            lambda m: None,
+            {"attention": BlockSparseConfig(sparsity=0.5)},
+            r"sparse attention is supported for WanTransformer3DModel.*not for "
+            r"MochiTransformer3DModel",
+        ),
+        (
+            lambda m: setattr(m.transformer_blocks[1].attn1.norm_k, "eps", 1e-3),
+            {},
+            r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps",
+        ),
+    ],
+    ids=["sparse_attention", "qk_eps"],
+)
+def test_models_it_was_not_written_for_are_refused_whole(
+    change, options: dict, fragment: str
+) -> None:
+    model = tiny_mochi()
+    change(model)
+    x = inputs()
+    ref = run(model, **x)
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model, **options)
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert torch.equal(run(model, **x), ref)
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_pickle_and_patching_again() -> None:
+    model = tiny_mochi()
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    fast = run(model, **x)
+    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.transformer_blocks[0].attn1.norm_q.weight.mul_(0.5)
+    assert not torch.equal(run(twin, **x), fast)  # the copy runs its own weights
+    assert torch.equal(run(model, **x), fast)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert torch.equal(run(loaded, **x), fast)
+    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+    ditops.patch(model, precision="exact")
+    assert torch.equal(run(model, **x), ref)
+    ditops.unpatch(loaded)
+    assert torch.equal(run(loaded, **x), ref)
+
+
+def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
+    model._diffusers_hook.reset_stateful_hooks()
+    outs = []
+    with torch.inference_mode():
+        for i in range(steps):
+            with model.cache_context("cond", step_index=i):
+                t = torch.tensor([900 - 10 * i] * 2)
+                outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
+    return outs
+
+
+def test_first_block_cache_in_both_orders() -> None:
+    from diffusers import FirstBlockCacheConfig
+
+    x = inputs()
+    cache = FirstBlockCacheConfig(threshold=0.2)
+    plain = tiny_mochi()
+    plain.enable_cache(cache)
+    want = _fbc_run(plain, x)
+    for patch_first in (True, False):
+        model = tiny_mochi()
+        if patch_first:
+            ditops.patch(model, precision="exact")
+        model.enable_cache(cache)
+        if not patch_first:
+            assert ditops.patch(model, precision="exact").models[NAME] == FUSED
+        assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
+
+
+@pytest.fixture
+def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
+    reset_state()
+    monkeypatch.setattr(config, "_process", None)
+    torch._dynamo.reset()
+    yield
+    reset_state()
+
+
+@pytest.mark.slow
+def test_compile_matches_eager(as_in_a_fresh_process: None) -> None:
+    """torch.compile (aot_eager) of the patched model, before any eager call. Not
+    fullgraph: Mochi's attention picks each sample's text tokens with ``nonzero`` (a
+    data-dependent shape), a graph break unpatched too; the fused blocks trace."""
+    x = inputs()
+    model = tiny_mochi()
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, backend="aot_eager")
+    assert torch.equal(run(compiled, **x), run(tiny_mochi(), **x))
