@@ -25,7 +25,6 @@ FP16_MAX = 65504.0
 DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
                    "norm2_context")  # fmt: skip
 SINGLE_BYPASSES = ("norm", "norm.norm")
-NORM_OUT_BYPASSES = ("norm",)
 
 
 def prologue_bypass(attn: nn.Module) -> Bypass:
@@ -74,7 +73,7 @@ def norm_rope(
     return ops.qk(query, key, nq.weight, nk.weight, cos, sin, nq.eps)  # type: ignore[no-any-return]
 
 
-def norm_rope_joint(
+def _norm_rope_joint(
     ops: Ops,
     attn: nn.Module,
     query: torch.Tensor,
@@ -93,6 +92,23 @@ def norm_rope_joint(
     t_q, t_k = ops.qk(e_query, e_key, nq.weight, nk.weight, cos[:T], sin[:T], nq.eps)
     i_q, i_k = norm_rope(ops, attn, query, key, cos[T:], sin[T:])
     return torch.cat([t_q, i_q], dim=1), torch.cat([t_k, i_k], dim=1)
+
+
+def fused_qkv(
+    ops: Ops, attn: nn.Module, projections: tuple, tables: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[B, L, H, D]`` of FLUX's and FLUX.2's joint or single-stream attention,
+    from diffusers' ``_get_qkv_projections`` (six tensors): the prologue on the fused
+    ``qk`` op, the text rows (``add_*_proj``, if the module has them) first."""
+    query, key, value, e_query, e_key, e_value = projections
+    D = attn.head_dim
+    query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
+    if attn.added_kv_proj_dim is None:
+        query, key = norm_rope(ops, attn, query, key, *tables)
+        return query, key, value
+    e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
+    query, key = _norm_rope_joint(ops, attn, query, key, e_query, e_key, *tables)
+    return query, key, torch.cat([e_value, value], dim=1)
 
 
 def double_block_forward(
@@ -213,17 +229,8 @@ class FusedFluxAttnProcessor(WrappingProcessor):
             )
         from diffusers.models.transformers import transformer_flux as tf
 
-        query, key, value, e_query, e_key, e_value = tf._get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        D = attn.head_dim
-        query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
-        if attn.added_kv_proj_dim is not None:
-            e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
-            query, key = norm_rope_joint(self.ops, attn, query, key, e_query, e_key, *tables)
-            value = torch.cat([e_value, value], dim=1)
-        else:
-            query, key = norm_rope(self.ops, attn, query, key, *tables)
+        projections = tf._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = fused_qkv(self.ops, attn, projections, tables)
         hidden_states = tf.dispatch_attention_fn(
             query,
             key,

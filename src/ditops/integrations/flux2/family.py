@@ -81,8 +81,7 @@ from ditops.integrations.flux2.forwards import (
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
     adaln_ops,
-    norm_out_forward,
-    norm_out_problems,
+    norm_out_blocks,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
@@ -140,13 +139,7 @@ FLUX2 = FamilySpec(
                    single_block_forward, SINGLE_BYPASSES, unfused=_single_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
-        Blocks(
-            ("norm_out",),
-            (Fused("AdaLayerNormContinuous.forward", {"6774475aefc7c86f": DIFFUSERS_042},
-                   norm_out_forward, ("norm",), problems=norm_out_problems,
-                   kind="output norm"),),
-            required=True,
-        ),
+        norm_out_blocks(),
     ),
     ops=adaln_ops,
     attention=Attention(

@@ -14,9 +14,9 @@ from torch import nn
 
 from ditops.integrations.flux.forwards import (
     clip_fp16,
+    fused_qkv,
     fused_tables,
     norm_rope,
-    norm_rope_joint,
     prologue_bypass,
 )
 from ditops.integrations.shared.base import WrappingProcessor
@@ -183,17 +183,8 @@ class FusedFlux2AttnProcessor(_Flux2Processor):
             )
         from diffusers.models.transformers import transformer_flux2 as tf
 
-        query, key, value, e_query, e_key, e_value = tf._get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        D = attn.head_dim
-        query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
-        if attn.added_kv_proj_dim is not None:
-            e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
-            query, key = norm_rope_joint(self.ops, attn, query, key, e_query, e_key, *tables)
-            value = torch.cat([e_value, value], dim=1)
-        else:
-            query, key = norm_rope(self.ops, attn, query, key, *tables)
+        projections = tf._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = fused_qkv(self.ops, attn, projections, tables)
         hidden_states = self._attend(query, key, value, attention_mask)
         if encoder_hidden_states is not None:
             T = encoder_hidden_states.shape[1]

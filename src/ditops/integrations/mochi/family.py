@@ -59,8 +59,7 @@ from ditops.integrations.mochi.forwards import (
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
     adaln_ops,
-    norm_out_forward,
-    norm_out_problems,
+    norm_out_blocks,
 )
 from ditops.integrations.shared.family import (
     Attention,
@@ -161,13 +160,7 @@ MOCHI = FamilySpec(
                    prologue=_prologue),),
             required=True,
         ),
-        Blocks(
-            ("norm_out",),
-            (Fused("AdaLayerNormContinuous.forward", {"6774475aefc7c86f": DIFFUSERS_042},
-                   norm_out_forward, ("norm",), problems=norm_out_problems,
-                   kind="output norm"),),
-            required=True,
-        ),
+        norm_out_blocks(),
     ),
     ops=adaln_ops,
     attention=Attention(
