@@ -19,10 +19,14 @@ import torch
 from torch import nn
 
 import ditops
-from ditops import config
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
+from tests.integrations.family_checks import (
+    assert_refused_whole,
+    cached_steps,
+    change_source,
+    fresh_process,  # noqa: F401 (a fixture)
+)
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -235,16 +239,6 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(cpu_paths: dict[str, i
     assert cpu_paths["adaln_modulate"] == 2 * PER_FORWARD["adaln_modulate"] - 1
 
 
-def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
-    """Give ``owner.name`` another source (so another fingerprint), same behaviour."""
-    original = getattr(owner, name)
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, changed)
-
-
 @pytest.mark.parametrize(
     ("owner", "name", "fragment"),
     [
@@ -262,7 +256,7 @@ def test_a_changed_diffusers_function_is_refused(
         from diffusers.models import embeddings as owner  # type: ignore[no-redef]
 
         fragment = r"apply_rotary_emb of diffusers .* differs"
-    _changed(monkeypatch, owner, name)
+    change_source(monkeypatch, owner, name)
     model = tiny_flux2()
     with pytest.raises(PatchError, match=fragment):
         ditops.patch(model)
@@ -293,13 +287,7 @@ def test_models_it_was_not_written_for_are_refused_whole(
 ) -> None:
     model = tiny_flux2()
     change(model)
-    x = inputs()
-    ref = run(model, **x)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, **options)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert torch.equal(run(model, **x), ref)
+    assert_refused_whole(model, run, inputs(), fragment, **options)
 
 
 def test_norms_false_changes_nothing() -> None:
@@ -356,14 +344,8 @@ def test_patching_again_switches_precision() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-def _steps(model: nn.Module, x: dict, steps: int = 4) -> list[torch.Tensor]:
-    outs = []
-    with torch.inference_mode():
-        for i in range(steps):
-            with model.cache_context("cond", step_index=i):
-                t = torch.tensor([0.9 - 0.1 * i], dtype=torch.bfloat16)
-                outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
-    return outs
+#: Four steps' timesteps (TaylorSeer caches some of them).
+STEPS = [torch.tensor([0.9 - 0.1 * i], dtype=torch.bfloat16) for i in range(4)]
 
 
 def test_diffusers_cache_hooks_in_both_orders(cpu_paths: dict[str, int]) -> None:
@@ -376,7 +358,7 @@ def test_diffusers_cache_hooks_in_both_orders(cpu_paths: dict[str, int]) -> None
     cache = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)
     plain = tiny_flux2()
     plain.enable_cache(cache)
-    want = _steps(plain, x)
+    want = cached_steps(plain, x, STEPS)
     for patch_first in (True, False):
         model = tiny_flux2()
         if patch_first:
@@ -384,7 +366,7 @@ def test_diffusers_cache_hooks_in_both_orders(cpu_paths: dict[str, int]) -> None
         model.enable_cache(cache)
         if not patch_first:
             ditops.patch(model, precision="exact")
-        assert all(torch.equal(a, b) for a, b in zip(_steps(model, x), want))
+        assert all(torch.equal(a, b) for a, b in zip(cached_steps(model, x, STEPS), want))
     assert cpu_paths["adaln_residual_modulate"] == 2 * 4 * PER_FORWARD["adaln_residual_modulate"]
     assert 0 < cpu_paths["qk_norm_rope"] < 2 * 4 * PER_FORWARD["qk_norm_rope"]  # some cached
 
@@ -409,17 +391,9 @@ def test_block_level_group_offloading_in_both_orders(
     assert torch.equal(run(model, **x), want)
 
 
-@pytest.fixture
-def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
-
-
 @pytest.mark.slow
-def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None) -> None:
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_first_fullgraph_without_recompiles() -> None:
     """The whole patched model compiled before any eager call, fullgraph, no recompile on
     the second call (aot_eager: dynamo and AOT tracing through the kernels' fake
     implementations); one block of each kind."""

@@ -18,10 +18,14 @@ import torch
 from torch import nn
 
 import ditops
-from ditops import config
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.custom_op import reset_state
 from ditops.integrations import PatchError
+from tests.integrations.family_checks import (
+    assert_refused_whole,
+    cached_steps,
+    change_source,
+    fresh_process,  # noqa: F401 (a fixture)
+)
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
 
@@ -183,15 +187,6 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
     assert cpu_paths["rms_norm"] == 2 * PER_FORWARD["rms_norm"] - fewer
 
 
-def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
-    original = getattr(owner, name)
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(owner, name, changed)
-
-
 @pytest.mark.parametrize(
     ("owner", "name", "fragment"),
     [
@@ -209,7 +204,7 @@ def _changed(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
 def test_a_changed_diffusers_function_is_refused(
     monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str
 ) -> None:
-    _changed(monkeypatch, owner, name)
+    change_source(monkeypatch, owner, name)
     model = tiny_mochi()
     with pytest.raises(PatchError, match=fragment):
         ditops.patch(model)
@@ -240,13 +235,7 @@ def test_models_it_was_not_written_for_are_refused_whole(
 ) -> None:
     model = tiny_mochi()
     change(model)
-    x = inputs()
-    ref = run(model, **x)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, **options)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert torch.equal(run(model, **x), ref)
+    assert_refused_whole(model, run, inputs(), fragment, **options)
 
 
 # --- a patched model's life -------------------------------------------------------------------
@@ -276,15 +265,13 @@ def test_deep_copy_pickle_and_patching_again() -> None:
     assert torch.equal(run(loaded, **x), ref)
 
 
-def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
+#: Three steps' timesteps, two samples each.
+STEPS = [torch.tensor([900 - 10 * i] * 2) for i in range(3)]
+
+
+def _fbc_run(model: nn.Module, x: dict) -> list[torch.Tensor]:
     model._diffusers_hook.reset_stateful_hooks()
-    outs = []
-    with torch.inference_mode():
-        for i in range(steps):
-            with model.cache_context("cond", step_index=i):
-                t = torch.tensor([900 - 10 * i] * 2)
-                outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
-    return outs
+    return cached_steps(model, x, STEPS)
 
 
 def test_first_block_cache_in_both_orders() -> None:
@@ -305,17 +292,9 @@ def test_first_block_cache_in_both_orders() -> None:
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
 
 
-@pytest.fixture
-def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
-
-
 @pytest.mark.slow
-def test_compile_matches_eager(as_in_a_fresh_process: None) -> None:
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_matches_eager() -> None:
     """torch.compile (aot_eager) of the patched model, before any eager call. Not
     fullgraph: Mochi's attention picks each sample's text tokens with ``nonzero`` (a
     data-dependent shape), a graph break unpatched too; the fused blocks trace."""
