@@ -57,3 +57,21 @@ def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     torch._dynamo.reset()
     yield
     reset_state()
+
+
+def on_triton_paths(
+    monkeypatch: pytest.MonkeyPatch, ops: tuple[type, ...], call: Callable[[], torch.Tensor]
+) -> tuple[dict[str, int], torch.Tensor]:
+    """``call()`` with every op on its Triton path (CPU tensors through Triton's
+    interpreter, dispatched as CUDA; strict: a fall back raises): the calls reaching each
+    of ``ops``' ``forward_cuda``, and the output."""
+    from tests.integrations.spies import install_spies
+
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            used = install_spies(monkeypatch, ops, "forward_cuda")
+            out = call()
+    finally:
+        reset_state()
+    return used, out

@@ -26,6 +26,7 @@ from tests.integrations.family_checks import (
     cached_steps,
     change_source,
     fresh_process,  # noqa: F401 (a fixture)
+    on_triton_paths,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
@@ -406,3 +407,22 @@ def test_compile_first_fullgraph_without_recompiles() -> None:
         again = run(compiled, **x)
     assert torch.equal(first, again)
     assert torch.equal(first, run(tiny_flux2(num_layers=1, num_single_layers=1), **x))
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
+    dispatched as CUDA; strict: a fall back would raise), fast precision, against the
+    unpatched model; one block of each kind."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+
+    model = tiny_flux2(num_layers=1, num_single_layers=1)
+    x = inputs(batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+           qk_norm_rope.QKNormRopeOp)  # fmt: skip
+    used, out = on_triton_paths(monkeypatch, ops, lambda: run(model, **x))
+    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
+                    "qk_norm_rope": 3}  # fmt: skip
+    assert max_rel_err(out, ref) <= FAST_REL_TOL

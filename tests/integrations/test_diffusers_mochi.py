@@ -25,6 +25,7 @@ from tests.integrations.family_checks import (
     cached_steps,
     change_source,
     fresh_process,  # noqa: F401 (a fixture)
+    on_triton_paths,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
@@ -303,3 +304,21 @@ def test_compile_matches_eager() -> None:
     ditops.patch(model, precision="exact")
     compiled = torch.compile(model, backend="aot_eager")
     assert torch.equal(run(compiled, **x), run(tiny_mochi(), **x))
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
+    dispatched as CUDA; strict: a fall back would raise): the RMSNorms without weight in
+    fp32, the prologue with the heads as the op's batch; fast precision, against the
+    unpatched model."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+
+    model = tiny_mochi()
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
+    used, out = on_triton_paths(monkeypatch, ops, lambda: run(model, **x))
+    assert used == PER_FORWARD
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
