@@ -61,6 +61,7 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_flux2 import tiny_flux2
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
+    from tests.integrations.test_diffusers_hunyuan_video_framepack import tiny as tiny_framepack
     from tests.integrations.test_diffusers_mochi import tiny_mochi
     from tests.integrations.test_diffusers_wan import tiny_wan
 
@@ -71,6 +72,7 @@ def _models() -> dict[str, nn.Module]:
         "mochi": tiny_mochi(),
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
+        "hunyuan_video_framepack": tiny_framepack(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

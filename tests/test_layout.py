@@ -161,3 +161,27 @@ MAX_LINES = 460
 def test_no_file_is_too_long(path: Path) -> None:
     lines = len(path.read_text().splitlines())
     assert lines <= MAX_LINES, f"{path.relative_to(SRC)} has {lines} lines (at most {MAX_LINES})"
+
+
+#: A model family's own code beyond its fused forwards' arithmetic (issue 27): its
+#: declaration and checks, in ``integrations/<family>/family.py``.
+MAX_FAMILY_LINES = 250
+FAMILY_FILES = sorted(
+    p for p in (SRC / "integrations").glob("*/family.py") if p.parent.name != "shared"
+)
+
+
+def test_every_family_is_declared_in_its_own_folder_within_budget() -> None:
+    """Each family folder declares a ``SPEC`` in ``family.py`` of at most 250 lines, and
+    every family ditops patches with is such a declaration (the generic one aside)."""
+    from ditops.integrations.patching import FAMILIES
+    from ditops.integrations.shared.family import DeclaredFamily
+
+    assert FAMILY_FILES, "no integrations/<family>/family.py"
+    for path in FAMILY_FILES:
+        lines = len(path.read_text().splitlines())
+        assert lines <= MAX_FAMILY_LINES, f"{path.relative_to(SRC)} has {lines} lines"
+        assert "\nSPEC = FamilySpec(" in path.read_text(), f"{path.relative_to(SRC)}: no SPEC"
+    declared = [f for f in FAMILIES if f.name != "generic"]
+    assert all(isinstance(f, DeclaredFamily) for f in declared), declared
+    assert len({f.name for f in FAMILIES}) == len(FAMILIES)

@@ -124,9 +124,7 @@ def families_table() -> str:
     ]
     for family in FAMILIES:
         sparse = "yes" if getattr(family, "sparse_attention", False) else "no (refused)"
-        doc = _first_line(type(family).__doc__).split(". ")[0]
-        doc = doc.split(": ", 1)[-1]  # what it does, after the class it names
-        lines.append(f"| {family.name} | {_classes(family)} | {sparse} | {doc} |")
+        lines.append(f"| {family.name} | {_classes(family)} | {sparse} | {family.summary} |")
     return "\n".join(lines) + "\n"
 
 

@@ -22,11 +22,12 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations.flux.family import FLUX
-from ditops.integrations.flux2.family import FLUX2
-from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily
-from ditops.integrations.hunyuan_video.v15 import HunyuanVideo15Family
-from ditops.integrations.mochi.family import MOCHI
+from ditops.integrations.flux.family import SPEC as FLUX
+from ditops.integrations.flux2.family import SPEC as FLUX2
+from ditops.integrations.hunyuan_video.family import FRAMEPACK
+from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
+from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
+from ditops.integrations.mochi.family import SPEC as MOCHI
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -37,18 +38,19 @@ from ditops.integrations.shared.base import (
 from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
-from ditops.integrations.wan.family import WanFamily
+from ditops.integrations.wan.family import SPEC as WAN
 
 logger = logging.getLogger("ditops")
 
 #: The model families ditops knows, most specific first; the last one takes any model.
 FAMILIES: tuple[ModelFamily, ...] = (
-    WanFamily(),
+    DeclaredFamily(WAN),
     DeclaredFamily(FLUX),
     DeclaredFamily(FLUX2),
     DeclaredFamily(MOCHI),
-    HunyuanVideoFamily(),
-    HunyuanVideo15Family(),
+    DeclaredFamily(HUNYUAN_VIDEO),
+    DeclaredFamily(HUNYUAN_VIDEO15),
+    DeclaredFamily(FRAMEPACK),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

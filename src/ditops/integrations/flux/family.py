@@ -43,7 +43,7 @@ refused whole, with the reasons. Attention processors other than ``FluxAttnProce
 fused). Forwards wrapped by diffusers or
 accelerate hooks are patched under the hooks.
 
-This module declares the family (:data:`FLUX`); the fused forwards and the attention
+This module declares the family (:data:`SPEC`); the fused forwards and the attention
 processor are in :mod:`ditops.integrations.flux.forwards`.
 """
 
@@ -69,7 +69,6 @@ from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
-    DeclaredFamily,
     FamilySpec,
     Fused,
     Relied,
@@ -128,9 +127,10 @@ def _single_unfused(block: nn.Module, where: str) -> list[str]:
     return [f for f in [zero_norm_problem(block, "norm", single=True)] if f]
 
 
-FLUX = FamilySpec(
+SPEC = FamilySpec(
     name="flux",
     model_classes=("FluxTransformer2DModel",),
+    summary="fused adaLN chain and attention prologue",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -154,6 +154,3 @@ FLUX = FamilySpec(
     ),
     relied_on=_relied_on,
 )  # fmt: skip
-
-#: diffusers' ``FluxTransformer2DModel``: fused adaLN chain and attention prologue.
-FluxFamily = DeclaredFamily(FLUX)

@@ -188,7 +188,6 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     tables other than ``FluxPosEmbed``'s ``[L, D]`` (or in fp64), runs the original processor.
     """
 
-    #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
 
     def __init__(
@@ -199,9 +198,7 @@ class FusedFluxAttnProcessor(WrappingProcessor):
         sparse: Any = None,
     ) -> None:
         if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
-            original = FluxAttnProcessor()
+            original = self.original_processor()
         if sparse is not None:
             raise ValueError("FusedFluxAttnProcessor: FLUX has no sparse attention in ditops")
         super().__init__(original)

@@ -87,7 +87,6 @@ from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
-    DeclaredFamily,
     FamilySpec,
     Fused,
     Relied,
@@ -123,9 +122,10 @@ def _single_unfused(block: nn.Module, where: str) -> list[str]:
     return _not_plain(block, SINGLE_BYPASSES)
 
 
-FLUX2 = FamilySpec(
+SPEC = FamilySpec(
     name="flux2",
     model_classes=("Flux2Transformer2DModel",),
+    summary="fused adaLN chain and attention prologue",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -150,6 +150,3 @@ FLUX2 = FamilySpec(
     ),
     relied_on=_relied_on,
 )  # fmt: skip
-
-#: diffusers' ``Flux2Transformer2DModel``: fused adaLN chain and attention prologue.
-Flux2Family = DeclaredFamily(FLUX2)

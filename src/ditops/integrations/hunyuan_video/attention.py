@@ -50,10 +50,6 @@ from ditops.integrations.shared.ops import Ops
 from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
 
-#: The ops of one patched HunyuanVideo model (``adaln_zero.adaln_ops``): the adaLN ops,
-#: ``qk_norm_rope`` and ``rms_norm`` for the text rows.
-HunyuanOps = Ops
-
 
 def single_stream_branches(
     block: nn.Module,
@@ -108,11 +104,16 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     """
 
     text_mask_default = False
+    #: The diffusers processor this class wraps: (module, class name).
+    wraps = (
+        "diffusers.models.transformers.transformer_hunyuan_video",
+        "HunyuanVideoAttnProcessor2_0",
+    )
 
     def __init__(
         self,
         original: Any | None = None,
-        ops: HunyuanOps | None = None,
+        ops: Ops | None = None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
         text_mask: bool | None = None,
@@ -120,7 +121,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         if sparse is not None and steps is None:
             raise ValueError("HunyuanVideoAttnProcessor: sparse attention needs the step state")
         if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self._diffusers_processor()
+            original = self.original_processor()
         if text_mask is None:
             text_mask = self.text_mask_default
         super().__init__(original)
@@ -129,15 +130,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         self.sparse = sparse
         self.text_mask = text_mask
 
-    @staticmethod
-    def _diffusers_processor() -> Any:
-        from diffusers.models.transformers.transformer_hunyuan_video import (
-            HunyuanVideoAttnProcessor2_0,
-        )
-
-        return HunyuanVideoAttnProcessor2_0()
-
-    def _ops_now(self, attn: nn.Module) -> HunyuanOps | None:
+    def _ops_now(self, attn: nn.Module) -> Ops | None:
         """The ops for this call: None while the q/k norms are hooked or replaced (then
         diffusers' norms run, as their hooks expect)."""
         if self.ops is None or _prologue_bypass(attn).problem(attn) is not None:
@@ -203,7 +196,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     def _qkv(
         self,
         attn: nn.Module,
-        ops: HunyuanOps | None,
+        ops: Ops | None,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
@@ -230,7 +223,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     def _prologue(
         self,
         attn: nn.Module,
-        ops: HunyuanOps | None,
+        ops: Ops | None,
         q: torch.Tensor,
         k: torch.Tensor,
         tq: torch.Tensor,
@@ -281,7 +274,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         text_out = dispatch_attention_fn(
             query[:, video:], key, value, attn_mask=text_rows_mask, backend=self._attention_backend
         )
-        frame = self._frame_tokens()
+        frame = self._leading_video_tokens(video)
         block = self.sparse.config.block_size
         poisoned = _padding_not_finite(key, value, keep, video)
         outs = []
@@ -303,7 +296,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
                 for t in (key, value)
             )
             lead = int(keys.shape[1]) - video  # the kept text keys, first
-            dense = math.ceil((lead + min(frame, video)) / block)  # per call: threads share it
+            dense = math.ceil((lead + frame) / block)  # per call: threads share it
             branch = self.steps.branch if batch == 1 else f"{self.steps.branch}#{b}"
             outs.append(
                 self.sparse(
@@ -318,14 +311,20 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
             )
         return torch.cat([torch.cat(outs, dim=0), text_out.to(outs[0].dtype)], dim=1)
 
-    def _frame_tokens(self) -> int:
-        """Tokens of the first latent frame (0 when the latent shape is not known)."""
+    def _leading_video_tokens(self, video: int) -> int:
+        """Video rows whose keys run dense on sparse steps: the first generated frame's, and
+        every row before the generated video (HunyuanVideo-Framepack puts its history and
+        clean latents there: the context the new frames are made from). 0 when the latent
+        shape is not known."""
         assert self.steps is not None
         shape = self.steps.latent_shape
         if shape is None:
             return 0
-        ph, pw = self.steps.patch_size[-2:]
-        return (int(shape[-2]) // ph) * (int(shape[-1]) // pw)
+        pt, ph, pw = self.steps.patch_size[-3:]
+        frame = (int(shape[-2]) // ph) * (int(shape[-1]) // pw)
+        generated = (int(shape[-3]) // pt) * frame
+        context = video - generated if generated <= video else 0
+        return min(context + frame, video)
 
 
 class HunyuanVideo15AttnProcessor(HunyuanVideoAttnProcessor):
@@ -333,14 +332,10 @@ class HunyuanVideo15AttnProcessor(HunyuanVideoAttnProcessor):
     the ``[B, text]`` text mask), so ``type(p)()`` builds what HunyuanVideo-1.5 needs."""
 
     text_mask_default = True
-
-    @staticmethod
-    def _diffusers_processor() -> Any:
-        from diffusers.models.transformers.transformer_hunyuan_video15 import (
-            HunyuanVideo15AttnProcessor2_0,
-        )
-
-        return HunyuanVideo15AttnProcessor2_0()
+    wraps = (
+        "diffusers.models.transformers.transformer_hunyuan_video15",
+        "HunyuanVideo15AttnProcessor2_0",
+    )
 
 
 def _padding_not_finite(
@@ -423,11 +418,13 @@ def rms_problems(attn: nn.Module, names: tuple[str, str], where: str) -> list[st
     return problems
 
 
-def attention_problems(block: nn.Module, where: str, double: bool, processor: type) -> list[str]:
+def attention_problems(block: nn.Module, where: str, double: bool) -> list[str]:
+    """What the processor relies on in a block's attention (its processor's class is the
+    skeleton's check): diffusers' RMSNorms for q/k (and the text's in a double-stream
+    block), added projections exactly in double-stream blocks."""
     attn = getattr(block, "attn", None)
-    proc = getattr(attn, "processor", None)
-    if type(proc) is not processor:
-        return [f"{where}.attn.processor is a {type(proc).__name__}, not {processor.__name__}"]
+    if attn is None:
+        return [f"{where} has no attn"]
     problems = rms_problems(attn, ("norm_q", "norm_k"), f"{where}.attn")
     if (attn.add_q_proj is not None) != double:
         problems.append(f"{where}.attn: added projections do not match the block's kind")

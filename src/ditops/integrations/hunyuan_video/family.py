@@ -31,355 +31,176 @@ In exact precision the patched model is bitwise the unpatched one.
 The I2V ``token_replace`` blocks (two modulations split at the first frame) run the same
 ops on the two row ranges (:mod:`~ditops.integrations.hunyuan_video.token_replace`). Left as
 diffusers runs them: the token refiner (``context_embedder``: its ``nn.LayerNorm`` has
-affine parameters, which no adaLN op means) and the embeddings. Which forward a block
-runs is decided in one place, :func:`fused_forward_of`.
+affine parameters, which no adaLN op means) and the embeddings.
 
-Before changing anything, :meth:`HunyuanVideoFamily.check` compares the blocks, norms and
-processors against what this module was written for, and the source of every diffusers
-function whose arithmetic it reproduces against the fingerprints of the versions it was
-checked with: a model that does not match is refused whole, with the reasons.
+This module declares the family (:data:`SPEC`; the fused forwards are in
+:mod:`~ditops.integrations.hunyuan_video.forwards`). Before changing anything, the
+skeleton's check compares the blocks, norms and processors against what it was written
+for, and the source of every diffusers function whose arithmetic it reproduces against the
+fingerprints of the versions it was checked with: a model that does not match is refused
+whole, with the reasons.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import replace
 
-import torch
 from torch import nn
 
 from ditops.integrations.hunyuan_video import token_replace
 from ditops.integrations.hunyuan_video.attention import (
-    HunyuanOps,
-    HunyuanVideo15AttnProcessor,
     HunyuanVideoAttnProcessor,
     attention_problems,
-    single_stream_branches,
+)
+from ditops.integrations.hunyuan_video.forwards import (
+    DOUBLE_BYPASSES,
+    SINGLE_BYPASSES,
+    double_block_forward,
+    single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    ada_modulate,
     adaln_ops,
-    mlp_half,
     norm_out_forward,
+    norm_out_problems,
     relied_on_norms,
+    zero_norm_problem,
 )
-from ditops.integrations.shared.base import (
-    AttrSet,
-    PatchOptions,
-    PatchRecord,
-    fingerprint_problems,
-    is_plain_layer_norm,
-    refuse,
+from ditops.integrations.shared.base import is_plain_layer_norm
+from ditops.integrations.shared.family import (
+    Attention,
+    Blocks,
+    FamilySpec,
+    Fused,
+    Relied,
+    Sparse,
 )
-from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
-from ditops.integrations.shared.steps import StepState, track_steps
+from ditops.integrations.shared.guard import forward_wrapper_problem
+
+#: ``HunyuanVideoTransformerBlock.forward`` (HunyuanVideo-1.5's block is the same code).
+DOUBLE = {"2905bc608785d8af": DIFFUSERS_042}
 
 
-def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
-    """Every diffusers function whose arithmetic the patch reproduces, with the
-    fingerprints (:func:`~ditops.integrations.shared.base.fingerprint`) of the versions this
-    module was checked against. ``hunyuan_video15`` relies on some of them too."""
+def relied_on() -> Relied:
+    """The diffusers functions besides the blocks and processors whose arithmetic the patch
+    reproduces, with the fingerprints of the versions checked (HunyuanVideo-1.5 relies on
+    the same)."""
     from diffusers.models import embeddings, normalization
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
 
     return {
-        "HunyuanVideoTransformerBlock.forward": (
-            hv.HunyuanVideoTransformerBlock.forward, {"2905bc608785d8af": DIFFUSERS_042}
-        ),
-        "HunyuanVideoSingleTransformerBlock.forward": (
-            hv.HunyuanVideoSingleTransformerBlock.forward, {"497dbbffbea40b6e": DIFFUSERS_042}
-        ),
-        "HunyuanVideoAttnProcessor2_0.__call__": (
-            hv.HunyuanVideoAttnProcessor2_0.__call__, {"14051151be5ee86a": DIFFUSERS_042}
-        ),
         **relied_on_norms(),
         "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
         "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
-        **token_replace.relied_on(),
     }  # fmt: skip
 
 
-# --- the fused forwards -------------------------------------------------------------------------
+def _wrapped(block: nn.Module, where: str) -> list[str]:
+    found = forward_wrapper_problem(block, where)
+    return [found] if found else []
 
 
-def double_block_forward(
-    block: nn.Module,
-    ops: HunyuanOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
-
-    Installed through :func:`~ditops.integrations.shared.guard.install_guarded`; a deep copy of
-    the block gets a partial bound to the copy and its own ops. Like diffusers', it
-    ignores the token-replace arguments the model passes every block.
-    """
-    n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
-    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
-    attn_output, context_attn_output = block.attn(
-        hidden_states=n,
-        encoder_hidden_states=c_n,
-        attention_mask=attention_mask,
-        image_rotary_emb=freqs_cis,
-    )
-    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
-    encoder_hidden_states = mlp_half(
-        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
-        block.ff_context,
-    )  # fmt: skip
-    return hidden_states, encoder_hidden_states
+def double_problems(block: nn.Module, where: str) -> list[str]:
+    """A double-stream block the fused forward computes: adaLN-Zero over LayerNorms
+    without affine, diffusers' q/k RMSNorms; else the model is refused."""
+    found = [zero_norm_problem(block, name, single=False) for name in ("norm1", "norm1_context")]
+    problems = [f"{where}.{f}" for f in found if f]
+    for name in ("norm2", "norm2_context"):
+        if not is_plain_layer_norm(getattr(block, name, None)):
+            problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
+    return problems + attention_problems(block, where, True) + _wrapped(block, where)
 
 
-def single_block_forward(
-    block: nn.Module,
-    ops: HunyuanOps,
-    hidden_states: torch.Tensor,
-    encoder_hidden_states: torch.Tensor,
-    temb: torch.Tensor,
-    attention_mask: torch.Tensor | None = None,
-    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
-    *args: Any,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``HunyuanVideoSingleTransformerBlock.forward`` on ditops' ops (module docstring)."""
-    text = encoder_hidden_states.shape[1]
-    residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
-    n, (_, _, gate) = ada_modulate(ops, block.norm, residual, temb, 3)
-    out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
-    hidden_states = ops.residual(residual, out, gate.unsqueeze(1))
-    return hidden_states[:, :-text], hidden_states[:, -text:]
+def _single_problems(block: nn.Module, where: str) -> list[str]:
+    found = zero_norm_problem(block, "norm", single=True)
+    problems = [f"{where}.{found}"] if found else []
+    return problems + attention_problems(block, where, False) + _wrapped(block, where)
 
 
-#: The sub-modules each fused forward does not call (it reads their parameters or runs
-#: their arithmetic itself): hooks on them would be skipped.
-_BYPASSED: dict[Callable[..., Any], tuple[str, ...]] = {
-    double_block_forward: ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm",
-                           "norm2", "norm2_context"),
-    single_block_forward: ("norm", "norm.norm"),
-    **token_replace.BYPASSED,
-}  # fmt: skip
+def _token_replace_problems(double: bool) -> Callable[[nn.Module, str], list[str]]:
+    def problems(block: nn.Module, where: str) -> list[str]:
+        found = token_replace.norm_problems(block, where, double)
+        return found + attention_problems(block, where, double) + _wrapped(block, where)
+
+    return problems
 
 
-def _fused_classes() -> dict[type, Callable[..., Any]]:
-    """Block classes whose forward is :func:`double_block_forward` or
-    :func:`single_block_forward` (HunyuanVideo-1.5's block is the same code: the
-    fingerprints in :func:`relied_on` and ``hunyuan_video15`` say so)."""
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
-    from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
+def _patch_size(model: nn.Module) -> tuple[int, ...]:
+    config = model.config  # type: ignore[attr-defined]
+    return (config.patch_size_t, config.patch_size, config.patch_size)
 
-    return {
-        hv.HunyuanVideoTransformerBlock: double_block_forward,
-        hv.HunyuanVideoSingleTransformerBlock: single_block_forward,
-        hv.HunyuanVideoTokenReplaceTransformerBlock: token_replace.token_replace_double_forward,
-        hv.HunyuanVideoTokenReplaceSingleTransformerBlock: (
-            token_replace.token_replace_single_forward
+
+#: The double-stream kind, shared with HunyuanVideo-1.5.
+DOUBLE_BLOCK = Fused(
+    "HunyuanVideoTransformerBlock.forward",
+    DOUBLE,
+    double_block_forward,
+    DOUBLE_BYPASSES,
+    problems=double_problems,
+    attention="attn",
+)
+#: The output norm, shared with HunyuanVideo-1.5.
+NORM_OUT = Blocks(
+    ("norm_out",),
+    (
+        Fused(
+            "AdaLayerNormContinuous.forward",
+            {"6774475aefc7c86f": DIFFUSERS_042},
+            norm_out_forward,
+            ("norm",),
+            problems=norm_out_problems,
+            kind="output norm",
         ),
-        hv15.HunyuanVideo15TransformerBlock: double_block_forward,
-    }
+    ),
+    required=True,
+    norms_only=True,
+)
+#: diffusers gives HunyuanVideo no context-parallel plan: sparse steps under one refused.
+SPARSE = Sparse(patch_size=_patch_size, count_steps=True, context_parallel=False)
 
+SPEC = FamilySpec(
+    name="hunyuan_video",
+    model_classes=("HunyuanVideoTransformer3DModel",),
+    summary="fused adaLN chain and attention prologue, optional block-sparse video self-attention",
+    blocks=(
+        Blocks(
+            ("transformer_blocks",),
+            (DOUBLE_BLOCK,
+             Fused("HunyuanVideoTokenReplaceTransformerBlock.forward",
+                   {"0747c20001d8f34d": DIFFUSERS_042},
+                   token_replace.token_replace_double_forward, DOUBLE_BYPASSES,
+                   problems=_token_replace_problems(True), attention="attn")),
+        ),
+        Blocks(
+            ("single_transformer_blocks",),
+            (Fused("HunyuanVideoSingleTransformerBlock.forward",
+                   {"497dbbffbea40b6e": DIFFUSERS_042}, single_block_forward, SINGLE_BYPASSES,
+                   problems=_single_problems, attention="attn"),
+             Fused("HunyuanVideoTokenReplaceSingleTransformerBlock.forward",
+                   {"e6faa5efad0b312a": DIFFUSERS_042},
+                   token_replace.token_replace_single_forward, SINGLE_BYPASSES,
+                   problems=_token_replace_problems(False), attention="attn")),
+        ),
+        NORM_OUT,
+    ),
+    ops=adaln_ops,
+    attention=Attention(
+        {HunyuanVideoAttnProcessor.wraps: HunyuanVideoAttnProcessor},
+        {"14051151be5ee86a": DIFFUSERS_042},
+    ),
+    sparse=SPARSE,
+    relied_on=lambda: {**relied_on(), **token_replace.relied_on()},
+)  # fmt: skip
 
-def fused_forward_of(block: nn.Module) -> Callable[..., Any] | None:
-    """The fused forward of a block's class (a function of ``(block, ops, *args)``), or
-    None: diffusers' own. Installed through :func:`~.guard.install_guarded`, it runs only
-    while nothing is attached to the sub-modules it bypasses (:data:`_BYPASSED`)."""
-    return _fused_classes().get(type(block))
-
-
-# --- check and apply ---------------------------------------------------------------------------
-
-
-@dataclass
-class HunyuanVideoPlan:
-    """What :meth:`HunyuanVideoFamily.apply` changes (all checked)."""
-
-    fused: list[tuple[str, nn.Module, Callable[..., Any]]] = field(default_factory=list)
-    kept: list[str] = field(default_factory=list)  # blocks running diffusers' forward
-    attentions: list[nn.Module] = field(default_factory=list)
-    norm_out: nn.Module | None = None
-
-
-def _block_problems(block: nn.Module, where: str, double: bool) -> list[str]:
-    from diffusers.models import normalization
-
-    problems = []
-    if double:
-        for name in ("norm1", "norm1_context"):
-            norm = getattr(block, name, None)
-            if (
-                type(norm) is not normalization.AdaLayerNormZero
-                or norm.emb is not None
-                or not is_plain_layer_norm(norm.norm)
-            ):
-                problems.append(
-                    f"{where}.{name} is not an AdaLayerNormZero over a LayerNorm without affine"
-                )
-        for name in ("norm2", "norm2_context"):
-            if not is_plain_layer_norm(getattr(block, name, None)):
-                problems.append(f"{where}.{name} is not a LayerNorm without affine parameters")
-    else:
-        norm = getattr(block, "norm", None)
-        if type(norm) is not normalization.AdaLayerNormZeroSingle or not is_plain_layer_norm(
-            norm.norm
-        ):
-            problems.append(
-                f"{where}.norm is not an AdaLayerNormZeroSingle over a LayerNorm without affine"
-            )
-    wrapped = forward_wrapper_problem(block, where)
-    return problems + ([wrapped] if wrapped else [])
-
-
-@dataclass(frozen=True)
-class Spec:
-    """What one model of the family is made of, for :func:`check_model`."""
-
-    #: attribute -> the block classes it may hold (every one has a fused forward)
-    blocks: dict[str, tuple[type, ...]]
-    processor: type  # diffusers' attention processor the blocks must have
-    relied_on: Callable[[], dict[str, tuple[Callable[..., Any], dict[str, str]]]]
-
-
-def _spec() -> Spec:
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
-
-    return Spec(
-        blocks={
-            "transformer_blocks": (
-                hv.HunyuanVideoTransformerBlock, hv.HunyuanVideoTokenReplaceTransformerBlock
-            ),
-            "single_transformer_blocks": (
-                hv.HunyuanVideoSingleTransformerBlock,
-                hv.HunyuanVideoTokenReplaceSingleTransformerBlock,
-            ),
-        },
-        processor=hv.HunyuanVideoAttnProcessor2_0,
-        relied_on=lambda: relied_on(),
-    )  # fmt: skip
-
-
-def check_model(model: nn.Module, options: PatchOptions, spec: Spec) -> HunyuanVideoPlan:
-    """Everything the patch of ``model`` relies on, checked before any change."""
-    from diffusers.models import normalization
-
-    plan = HunyuanVideoPlan()
-    if not options.norms and options.attention is None:
-        return plan
-    problems: list[str] = []
-    problems += fingerprint_problems(spec.relied_on())
-    for attr, classes in spec.blocks.items():
-        double = attr == "transformer_blocks"
-        for i, block in enumerate(getattr(model, attr, [])):
-            where = f"{attr}[{i}]"
-            if type(block) not in classes:
-                names = " or ".join(c.__name__ for c in classes)
-                problems.append(f"{where} is a {type(block).__name__}, not {names}")
-                continue
-            found = attention_problems(block, where, double, spec.processor)
-            if type(block).__name__.startswith("HunyuanVideoTokenReplace"):
-                found += token_replace.norm_problems(block, where, double)
-                found += [w for w in [forward_wrapper_problem(block, where)] if w]
-            else:
-                found += _block_problems(block, where, double)
-            problems += found
-            if found:
-                continue
-            plan.attentions.append(block.attn)
-            fused = fused_forward_of(block) if options.norms else None
-            if fused is not None:
-                plan.fused.append((f"{attr}.{i}", block, fused))
-            elif options.norms:
-                plan.kept.append(where)
-    norm_out = getattr(model, "norm_out", None)
-    if options.norms:
-        if type(norm_out) is not normalization.AdaLayerNormContinuous or not is_plain_layer_norm(
-            norm_out.norm
-        ):
-            problems.append(
-                "norm_out is not an AdaLayerNormContinuous over a LayerNorm without affine"
-            )
-        else:
-            wrapped = forward_wrapper_problem(norm_out, "norm_out")
-            problems += [wrapped] if wrapped else []
-            plan.norm_out = norm_out
-    refuse(model, problems)
-    return plan
-
-
-def apply_plan(
-    model: nn.Module,
-    plan: HunyuanVideoPlan,
-    record: PatchRecord,
-    options: PatchOptions,
-    text_mask: bool = False,
-) -> None:
-    """Patch a checked model in place, recording every change on ``record``
-    (``text_mask``: see :class:`HunyuanVideoAttnProcessor`)."""
-    ops = adaln_ops(options.precision) if options.norms else None
-    if ops is not None:
-        for where, block, forward in plan.fused:
-            install_guarded(block, forward, ops, _BYPASSED[forward], record, where)
-        if plan.kept:
-            record.count("blocks kept", len(plan.kept))
-        if plan.norm_out is not None:
-            norm = plan.norm_out
-            install_guarded(
-                norm, norm_out_forward, ops, ("norm",), record, "norm_out", "output norm"
-            )
-    steps = None
-    if options.attention is not None:
-        steps = StepState(count_steps=True)
-        config = model.config  # type: ignore[attr-defined]
-        steps.patch_size = (config.patch_size_t, config.patch_size, config.patch_size)
-        track_steps(model, steps, record)
-    for attn in plan.attentions:
-        prologue = ops  # used per call while its q/k norms carry no hooks
-        sparse = None
-        if options.attention is not None:
-            from ditops.layers.sparse_attention import BlockSparseAttention
-
-            sparse = BlockSparseAttention(options.attention)
-            record.count("sparse self-attentions")
-        if prologue is None and sparse is None:
-            continue
-        cls = HunyuanVideo15AttnProcessor if text_mask else HunyuanVideoAttnProcessor
-        processor = cls(attn.processor, prologue, steps, sparse)
-        record.add(AttrSet.apply(attn, "processor", processor))
-        if prologue is not None:
-            record.count("fused attention prologues")
-
-
-class HunyuanVideoFamily:
-    """diffusers' ``HunyuanVideoTransformer3DModel``: fused adaLN chain and attention
-    prologue, optional block-sparse video self-attention. HunyuanVideo-1.5's family is this
-    one with its own model class, spec and text mask (``hunyuan_video15``)."""
-
-    name = "hunyuan_video"
-    #: the model's class name, and a block list only that model holds
-    model_classes: tuple[str, ...] = ("HunyuanVideoTransformer3DModel",)
-    blocks_attr = "single_transformer_blocks"
-    #: the processors' mask (see :class:`HunyuanVideoAttnProcessor`)
-    text_mask = False
-    sparse_attention = True
-
-    @staticmethod
-    def spec() -> Spec:
-        return _spec()
-
-    def recognise(self, model: nn.Module) -> bool:
-        return type(model).__name__ in self.model_classes and hasattr(model, self.blocks_attr)
-
-    def check(self, model: nn.Module, options: PatchOptions) -> HunyuanVideoPlan:
-        """Everything the patch relies on, checked before any change. Raises PatchError."""
-        return check_model(model, options, self.spec())
-
-    def apply(
-        self, model: nn.Module, plan: HunyuanVideoPlan, record: PatchRecord, options: PatchOptions
-    ) -> None:
-        """Patch a checked model of the family in place, recording every change on ``record``."""
-        apply_plan(model, plan, record, options, text_mask=self.text_mask)
+#: HunyuanVideo-Framepack (``HunyuanVideoFramepackTransformer3DModel``) is built of
+#: HunyuanVideo's blocks and processor; the history and clean latents it puts before the
+#: video tokens are attended densely on sparse steps (see ``attention``).
+FRAMEPACK = replace(
+    SPEC,
+    name="hunyuan_video_framepack",
+    model_classes=("HunyuanVideoFramepackTransformer3DModel",),
+    summary=(
+        "HunyuanVideo's (its blocks): fused adaLN chain and attention prologue, optional "
+        "block-sparse video self-attention with the history latents dense"
+    ),
+)

@@ -21,8 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.hunyuan_video.attention import HunyuanOps, single_stream_branches
+from ditops.integrations.hunyuan_video.attention import single_stream_branches
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
+from ditops.integrations.shared.ops import Ops
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
@@ -52,7 +53,7 @@ def _split(
 
 def token_replace_double_forward(
     block: nn.Module,
-    ops: HunyuanOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -97,7 +98,7 @@ def token_replace_double_forward(
 
 def token_replace_single_forward(
     block: nn.Module,
-    ops: HunyuanOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -121,26 +122,13 @@ def token_replace_single_forward(
     return hidden_states[:, :-text], hidden_states[:, -text:]
 
 
-#: The sub-modules each forward does not call (hooks on them would be skipped).
-BYPASSED = {
-    token_replace_double_forward: ("norm1", "norm1.norm", "norm1_context",
-                                   "norm1_context.norm", "norm2", "norm2_context"),
-    token_replace_single_forward: ("norm", "norm.norm"),
-}  # fmt: skip
-
-
 def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
-    """The diffusers forwards these reproduce, with the fingerprints checked against."""
+    """The token-replace norms whose arithmetic these reproduce, with the fingerprints
+    checked against (the blocks' own forwards are the family's block kinds)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
     known = "diffusers 0.42"
     return {
-        "HunyuanVideoTokenReplaceTransformerBlock.forward": (
-            hv.HunyuanVideoTokenReplaceTransformerBlock.forward, {"0747c20001d8f34d": known}
-        ),
-        "HunyuanVideoTokenReplaceSingleTransformerBlock.forward": (
-            hv.HunyuanVideoTokenReplaceSingleTransformerBlock.forward, {"e6faa5efad0b312a": known}
-        ),
         "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
             hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward, {"25eaa1efca684ee3": known}
         ),

@@ -20,59 +20,26 @@ text queries dense with their rows of the mask).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from ditops.integrations.hunyuan_video.attention import HunyuanVideo15AttnProcessor
+from ditops.integrations.hunyuan_video.family import DOUBLE_BLOCK, NORM_OUT, SPARSE, relied_on
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec
 
-from ditops.integrations.hunyuan_video.family import HunyuanVideoFamily, Spec
-from ditops.integrations.hunyuan_video.family import relied_on as hunyuan_relied_on
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
-
-_SHARED = (
-    "AdaLayerNormZero.forward",
-    "AdaLayerNormContinuous.forward",
-    "RMSNorm.forward",
-    "apply_rotary_emb",
+SPEC = FamilySpec(
+    name="hunyuan_video15",
+    model_classes=("HunyuanVideo15Transformer3DModel",),
+    summary=(
+        "fused adaLN chain and attention prologue, optional block-sparse video "
+        "self-attention (HunyuanVideo's, with HunyuanVideo-1.5's text mask)"
+    ),
+    # HunyuanVideo15TransformerBlock.forward is HunyuanVideoTransformerBlock.forward
+    # character for character: the same fingerprint, the same fused kind.
+    blocks=(Blocks(("transformer_blocks",), (DOUBLE_BLOCK,)), NORM_OUT),
+    ops=adaln_ops,
+    attention=Attention(
+        {HunyuanVideo15AttnProcessor.wraps: HunyuanVideo15AttnProcessor},
+        {"a81a49107227f5da": DIFFUSERS_042},
+    ),
+    sparse=SPARSE,
+    relied_on=relied_on,
 )
-
-
-def _relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
-    """Every diffusers function whose arithmetic the patch reproduces, with the
-    fingerprints of the versions this module was checked against."""
-    from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
-
-    shared = hunyuan_relied_on()
-    return {
-        # the same fingerprint as HunyuanVideoTransformerBlock.forward: the same code
-        "HunyuanVideo15TransformerBlock.forward": (
-            hv15.HunyuanVideo15TransformerBlock.forward, {"2905bc608785d8af": DIFFUSERS_042}
-        ),
-        "HunyuanVideo15AttnProcessor2_0.__call__": (
-            hv15.HunyuanVideo15AttnProcessor2_0.__call__, {"a81a49107227f5da": DIFFUSERS_042}
-        ),
-        **{name: shared[name] for name in _SHARED},
-    }  # fmt: skip
-
-
-def _spec() -> Spec:
-    from diffusers.models.transformers import transformer_hunyuan_video15 as hv15
-
-    return Spec(
-        blocks={"transformer_blocks": (hv15.HunyuanVideo15TransformerBlock,)},
-        processor=hv15.HunyuanVideo15AttnProcessor2_0,
-        relied_on=lambda: _relied_on(),
-    )
-
-
-class HunyuanVideo15Family(HunyuanVideoFamily):
-    """diffusers' ``HunyuanVideo15Transformer3DModel``: fused adaLN chain and attention
-    prologue, optional block-sparse video self-attention (HunyuanVideo's family, with
-    HunyuanVideo-1.5's model class, blocks and ``[B, text]`` text mask)."""
-
-    name = "hunyuan_video15"
-    model_classes = ("HunyuanVideo15Transformer3DModel",)
-    blocks_attr = "transformer_blocks"
-    text_mask = True
-
-    @staticmethod
-    def spec() -> Spec:
-        return _spec()

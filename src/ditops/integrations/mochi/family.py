@@ -64,7 +64,6 @@ from ditops.integrations.shared.adaln_zero import (
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
-    DeclaredFamily,
     FamilySpec,
     Fused,
     Relied,
@@ -149,9 +148,10 @@ def _prologue(attn: nn.Module, where: str) -> list[str]:
     return problems
 
 
-MOCHI = FamilySpec(
+SPEC = FamilySpec(
     name="mochi",
     model_classes=("MochiTransformer3DModel",),
+    summary="fused RMSNorms and attention prologue",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -170,6 +170,3 @@ MOCHI = FamilySpec(
     ),
     relied_on=_relied_on,
 )  # fmt: skip
-
-#: diffusers' ``MochiTransformer3DModel``: fused RMSNorms and attention prologue.
-MochiFamily = DeclaredFamily(MOCHI)

@@ -32,6 +32,7 @@ Also here: what every family checks with (fingerprints, :func:`refuse`) and is
 from __future__ import annotations
 
 import hashlib
+import importlib
 import inspect
 import types
 from collections.abc import Callable
@@ -299,8 +300,18 @@ class WrappingProcessor:
     parallelism, attend within each rank's shard: silently wrong.
     """
 
+    #: The diffusers processor a subclass wraps: (module, class name).
+    wraps: tuple[str, str] = ("", "")
+
     def __init__(self, original: Any) -> None:
         self.original = original
+
+    @classmethod
+    def original_processor(cls) -> Any:
+        """A new processor of the diffusers class this one wraps: what ``type(p)()`` (as
+        diffusers' loaders build processors) wraps."""
+        module, name = cls.wraps
+        return getattr(importlib.import_module(module), name)()
 
     _parallel_config = _on_original("_parallel_config")
     _attention_backend = _on_original("_attention_backend")
@@ -348,6 +359,8 @@ class ModelFamily(Protocol):
     model_classes: tuple[str, ...]
     #: Whether ``patch(..., attention=BlockSparseConfig(...))`` is served (else refused).
     sparse_attention: bool
+    #: What the patch does, in a few words (the docs' families table).
+    summary: str
 
     def recognise(self, model: nn.Module) -> bool:
         """Whether ``model`` belongs to this family."""

@@ -133,6 +133,10 @@ class Sparse:
     patch_size: Callable[[nn.Module], tuple[int, ...] | None]
     #: Count steps from the timesteps of calls that bring no step index.
     count_steps: bool = True
+    #: Whether sparse steps run under diffusers' context parallelism (else a model whose
+    #: processors carry a parallel config is refused; one enabled after the patch is
+    #: refused by the processor at its first sparse call).
+    context_parallel: bool = True
 
 
 @dataclass(frozen=True)
@@ -142,6 +146,8 @@ class FamilySpec:
     name: str
     #: diffusers' class names of its models (the docs' families table lists them).
     model_classes: tuple[str, ...]
+    #: What the patch does, in a few words (the docs' families table).
+    summary: str
     blocks: tuple[Blocks, ...]
     #: ``ops(precision)``: the op bundle of one patched model.
     ops: Callable[[str | None], Any]
@@ -188,6 +194,7 @@ class DeclaredFamily:
         self.spec = spec
         self.name = spec.name
         self.model_classes = spec.model_classes
+        self.summary = spec.summary
         self.sparse_attention = spec.sparse is not None
 
     def __repr__(self) -> str:
@@ -226,7 +233,7 @@ class DeclaredFamily:
                 continue
             places = list(_places(model, blocks))
             if blocks.required and not places:
-                problems.append(f"the model has no {' or '.join(blocks.attrs)}")
+                problems.append(f"the model has no {blocks.attrs[0]}")
             for where, label, block in places:
                 cls = type(block)
                 if cls not in kinds:
@@ -269,7 +276,7 @@ class DeclaredFamily:
             if spec.keep_others and options.attention is None:
                 plan.kept.append(f"{where}: {type(proc).__name__}")
                 return []
-            names = ", ".join(sorted({n for _, n in spec.processors}))
+            names = ", ".join(dict.fromkeys(n for _, n in spec.processors))
             return [f"{where}.processor is a {type(proc).__name__}, not {names}"]
         problems = []
         fp = fingerprint(type(proc).__call__)
@@ -282,6 +289,13 @@ class DeclaredFamily:
             problems += fingerprint_problems(spec.relied(ours))
         if options.norms:
             problems += kind.prologue(attn, where)  # type: ignore[arg-type]
+        sparse = self.spec.sparse
+        if options.attention is not None and sparse is not None and not sparse.context_parallel:
+            if getattr(proc, "_parallel_config", None) is not None:
+                problems.append(
+                    f"{where}: sparse attention under context parallelism is not supported "
+                    f"for {self.name}; patch with attention=None, or disable parallelism"
+                )
         if not problems:
             plan.attentions.append((attn, ours))  # type: ignore[arg-type]
         return problems

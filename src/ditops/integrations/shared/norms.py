@@ -81,6 +81,7 @@ class GenericFamily:
     """Any model: norms only."""
 
     name = "generic"
+    summary = "norms only"
     model_classes: tuple[str, ...] = ()  # any model
     sparse_attention = False
 

@@ -44,9 +44,9 @@ PROLOGUE_BYPASS = Bypass((("norm_q", nn.RMSNorm), ("norm_k", nn.RMSNorm)))
 class WanSelfAttnProcessor(WrappingProcessor):
     """Wan self-attention (``attn1``) with ditops' prologue and optional block sparsity.
 
-    ``prologue`` (a ``qk_norm_rope`` op, installed with the fused blocks): the RMSNorm of
-    q and k across heads and the rotary embedding run as one op, on dense and sparse
-    steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
+    ``ops`` (the patched model's op bundle, with the fused blocks): its ``qk`` op runs
+    the RMSNorm of q and k across heads and the rotary embedding as one op, on dense and
+    sparse steps; in exact precision bitwise what ``WanAttnProcessor`` computes. ``sparse`` (a
     :class:`~ditops.layers.sparse_attention.BlockSparseAttention`): block-sparse attention on the
     sparse denoising steps. Without a prologue, dense steps run the wrapped
     ``WanAttnProcessor`` itself; any call this processor was not written for
@@ -76,20 +76,19 @@ class WanSelfAttnProcessor(WrappingProcessor):
     def __init__(
         self,
         original: Any | None = None,
+        ops: Any | None = None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
-        prologue: Any | None = None,
     ) -> None:
         if sparse is not None and steps is None:
             raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
         if original is None:  # built as diffusers' loaders build processors: type(p)()
-            module, name = self.wraps
-            original = getattr(importlib.import_module(module), name)()
+            original = self.original_processor()
         super().__init__(original)
         self._qkv = self.qkv_projections()  # resolved once: not traced under compile
         self.steps = steps
         self.sparse = sparse
-        self.prologue = prologue
+        self.prologue = None if ops is None else ops.qk  # the fused q/k norm + rotary
 
     def _dense_now(self) -> bool:
         return runs_dense(self.sparse, self.steps)

@@ -2,7 +2,7 @@
 Wan-Animate's copies), ``WanVACETransformerBlock``'s and ``SkyReelsV2TransformerBlock``'s.
 
 Each runs the block's norm / modulation / residual chain (written out in
-:mod:`ditops.integrations.wan.family`) on ditops' fused ops, one :class:`ModulationOps` per
+:mod:`ditops.integrations.wan.family`) on ditops' fused ops, one :class:`Ops` per
 patched model; :class:`~ditops.integrations.wan.family.WanFamily` installs them through
 :func:`~ditops.integrations.shared.guard.install_guarded`, which runs diffusers' forward
 instead while anything is attached to the norms they bypass (:data:`BLOCK_BYPASSES`).
@@ -15,22 +15,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations.shared.ops import Ops
+
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`).
 BLOCK_BYPASSES = ("norm1", "norm2", "norm3")
-
-
-class ModulationOps:
-    """One set of fused-op instances per patched model, carrying its precision (a plain
-    object: it deep-copies and pickles with the model)."""
-
-    def __init__(self, precision: str | None) -> None:
-        from ditops.ops import modulation_fp32 as modulation
-
-        self.ln_mod = modulation.LayerNormScaleShiftOp()
-        self.fused = modulation.ScaleResidualLayerNormScaleShiftOp()
-        self.gated = modulation.GatedResidualOp()
-        for op in (self.ln_mod, self.fused, self.gated):
-            op.precision = precision
 
 
 def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -43,7 +31,7 @@ def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ..
 
 def _fused_chain(
     block: nn.Module,
-    ops: ModulationOps,
+    ops: Ops,
     h: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     modulations: tuple[torch.Tensor, ...],
@@ -68,7 +56,7 @@ def _fused_chain(
 
 def fused_block_forward(
     block: nn.Module,
-    ops: ModulationOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -85,7 +73,7 @@ def fused_block_forward(
 
 def fused_vace_block_forward(
     block: nn.Module,
-    ops: ModulationOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     control_hidden_states: torch.Tensor,
@@ -107,7 +95,7 @@ def fused_vace_block_forward(
 
 def fused_skyreels_block_forward(
     block: nn.Module,
-    ops: ModulationOps,
+    ops: Ops,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,

@@ -1,0 +1,73 @@
+"""HunyuanVideo's fused block forwards (HunyuanVideo-1.5's double-stream block is the same
+code): the arithmetic is written out in :mod:`ditops.integrations.hunyuan_video.family`.
+The token-replace blocks' twins are in :mod:`~ditops.integrations.hunyuan_video.token_replace`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ditops.integrations.hunyuan_video.attention import single_stream_branches
+from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
+from ditops.integrations.shared.ops import Ops
+
+#: What each fused forward computes without calling it (see ``guard.Bypass``).
+DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
+                   "norm2_context")  # fmt: skip
+SINGLE_BYPASSES = ("norm", "norm.norm")
+
+
+def double_block_forward(
+    block: nn.Module,
+    ops: Ops,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoTransformerBlock.forward`` on ditops' ops (see the module docstring).
+
+    Installed through :func:`~ditops.integrations.shared.guard.install_guarded`; a deep copy of
+    the block gets a partial bound to the copy and its own ops. Like diffusers', it
+    ignores the token-replace arguments the model passes every block.
+    """
+    n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
+    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
+    attn_output, context_attn_output = block.attn(
+        hidden_states=n,
+        encoder_hidden_states=c_n,
+        attention_mask=attention_mask,
+        image_rotary_emb=freqs_cis,
+    )
+    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
+    encoder_hidden_states = mlp_half(
+        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        block.ff_context,
+    )  # fmt: skip
+    return hidden_states, encoder_hidden_states
+
+
+def single_block_forward(
+    block: nn.Module,
+    ops: Ops,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None = None,
+    image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
+    *args: Any,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``HunyuanVideoSingleTransformerBlock.forward`` on ditops' ops (module docstring)."""
+    text = encoder_hidden_states.shape[1]
+    residual = torch.cat([hidden_states, encoder_hidden_states], dim=1)
+    n, (_, _, gate) = ada_modulate(ops, block.norm, residual, temb, 3)
+    out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
+    hidden_states = ops.residual(residual, out, gate.unsqueeze(1))
+    return hidden_states[:, :-text], hidden_states[:, -text:]
