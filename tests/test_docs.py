@@ -62,6 +62,8 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
     from tests.integrations.test_diffusers_hunyuan_video_framepack import tiny as tiny_framepack
+    from tests.integrations.test_diffusers_ltx2 import tiny_ltx2
+    from tests.integrations.test_diffusers_ltx_video import tiny_ltx
     from tests.integrations.test_diffusers_mochi import tiny_mochi
     from tests.integrations.test_diffusers_wan import tiny_wan
 
@@ -73,6 +75,8 @@ def _models() -> dict[str, nn.Module]:
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
         "hunyuan_video_framepack": tiny_framepack(),
+        "ltx_video": tiny_ltx(),
+        "ltx2": tiny_ltx2(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

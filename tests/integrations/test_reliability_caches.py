@@ -1,7 +1,7 @@
 """A diffusers cache enabled and then disabled leaves its hook registry on each block,
 empty, and the block's own forward bound on the instance: that is not a hook. After
 ``enable_cache(...)`` then ``disable_cache()``, ``ditops.patch`` fuses every block of
-FLUX and Wan and patches HunyuanVideo (it used to leave every block unfused, and refuse
+FLUX, Wan and LTX-Video and patches HunyuanVideo (it used to leave every block unfused, and refuse
 HunyuanVideo whole, saying "apply ditops.patch first"), bitwise in exact precision.
 """
 
@@ -17,6 +17,7 @@ import ditops
 from tests.integrations import test_diffusers_flux as flux_t
 from tests.integrations import test_diffusers_hunyuan_video as hv_t
 from tests.integrations import test_diffusers_hunyuan_video15 as hv15_t
+from tests.integrations import test_diffusers_ltx_video as ltx_t
 from tests.integrations import test_diffusers_wan as wan_t
 
 diffusers = pytest.importorskip(
@@ -37,6 +38,7 @@ FAMILIES: dict[
     "wan": (lambda: wan_t.tiny_wan(keep_fp32=True), wan_t.inputs, wan_t.run, 2),
     "flux": (flux_t.tiny_flux, flux_t.inputs, flux_t.run, 4),
     "hunyuan_video": (hv_t.tiny_hunyuan, hv_t.inputs, hv_t.run, 4),
+    "ltx_video": (ltx_t.tiny_ltx, ltx_t.inputs, ltx_t.run, 2),
 }
 
 

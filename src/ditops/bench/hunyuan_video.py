@@ -143,45 +143,16 @@ class _Probe(ModuleTimer):
         self._handles.append(estimate_block_mask.op.register_forward_hook(estimated))  # fmt: skip
 
 
-def run(
-    device: torch.device,
-    size: str = "small",
-    *,
-    rounds: int | None = None,
-    latent: tuple[int, int, int] | None = None,
-    text_tokens: int | None = None,
-    block_size: int = 128,
-    dtype: torch.dtype | None = None,
-    progress: bool = True,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """Time every variant, interleaved; returns the config, per-round times and a summary.
-
-    ``rounds``, ``latent`` (frames, height, width of the latent video), ``text_tokens`` and
-    ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
-    entries of the model config.
-    """
+def summarise(
+    variants: list[tuple[str, dict[str, Any]]],
+    outputs: dict[str, torch.Tensor],
+    times: dict[str, list[float]],
+    probes: dict[str, list[Any]],
+) -> list[dict[str, Any]]:
+    """Per variant of :func:`~ditops.bench.model_runs.interleaved_forwards`' run (its
+    ``_Probe`` probes): timings, ratios to ``unpatched``, densities asked and run, drift."""
     from ditops.bench.harness import drift
-    from ditops.integrations import patch, unpatch
 
-    spec, config = size_config("hunyuan_video", SIZES, size, BASE_CONFIG, overrides)
-    rounds = spec["rounds"] if rounds is None else rounds
-    latent = spec["latent"] if latent is None else latent
-    n_text = spec["text_tokens"] if text_tokens is None else text_tokens
-    dtype = default_dtype(device) if dtype is None else dtype
-    model = build_model(device, dtype, **config)
-    x = make_inputs(config, latent, n_text, device, dtype)
-    variants = _variants(block_size)
-
-    def use(options: dict[str, Any]) -> None:
-        unpatch(model)
-        if options:
-            patch(model, precision="exact", **options)
-
-    outputs, times, probes = interleaved_forwards(
-        model, x, device, variants, use, rounds, lambda m: _Probe(m, device),
-        desc="hunyuan_video", progress=progress, reset=lambda: unpatch(model),
-    )  # fmt: skip
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
     densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
     peak = float(outputs["unpatched"].double().abs().max()) or 1.0
@@ -205,6 +176,49 @@ def run(
                 "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
             }
         )
+    return summary
+
+
+def run(
+    device: torch.device,
+    size: str = "small",
+    *,
+    rounds: int | None = None,
+    latent: tuple[int, int, int] | None = None,
+    text_tokens: int | None = None,
+    block_size: int = 128,
+    dtype: torch.dtype | None = None,
+    progress: bool = True,
+    **overrides: Any,
+) -> dict[str, Any]:
+    """Time every variant, interleaved; returns the config, per-round times and a summary.
+
+    ``rounds``, ``latent`` (frames, height, width of the latent video), ``text_tokens`` and
+    ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
+    entries of the model config.
+    """
+    from ditops.integrations import patch, unpatch
+
+    spec, config = size_config("hunyuan_video", SIZES, size, BASE_CONFIG, overrides)
+    rounds = spec["rounds"] if rounds is None else rounds
+    latent = spec["latent"] if latent is None else latent
+    n_text = spec["text_tokens"] if text_tokens is None else text_tokens
+    dtype = default_dtype(device) if dtype is None else dtype
+    model = build_model(device, dtype, **config)
+    x = make_inputs(config, latent, n_text, device, dtype)
+    variants = _variants(block_size)
+
+    def use(options: dict[str, Any]) -> None:
+        unpatch(model)
+        if options:
+            patch(model, precision="exact", **options)
+
+    outputs, times, probes = interleaved_forwards(
+        model, x, device, variants, use, rounds, lambda m: _Probe(m, device),
+        desc="hunyuan_video", progress=progress, reset=lambda: unpatch(model),
+    )  # fmt: skip
+    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
+    summary = summarise(variants, outputs, times, probes)
     frames, h, w = latent
     p = config["patch_size"]
     return {
@@ -238,12 +252,17 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         "interleaved rounds",
         file=out,
     )
+    print_rows(result["summary"], out)
+
+
+def print_rows(summary: list[dict[str, Any]], out: Any) -> None:
+    """The table of :func:`summarise`'s rows, and what its columns are."""
     print(
         f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
         f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
         file=out,
     )
-    for s in result["summary"]:
+    for s in summary:
         print(
             f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
             f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "

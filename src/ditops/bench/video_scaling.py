@@ -1,6 +1,6 @@
 """How a video DiT forward's cost grows with the video, and what sparse attention buys.
 
-``python -m ditops.bench.video_scaling [--family hunyuan_video|wan] [--tokens 8192 16384
+``python -m ditops.bench.video_scaling [--family hunyuan_video|wan|ltx_video] [--tokens 8192 16384
 32768] [--sparsity 0.75]`` builds a one-block model of the family's geometry and, per video
 length (latent frames of 16 x 24 tokens, the nearest whole number of frames), times
 unpatched and ``exact`` + block-sparse attention in turns: the forward, the attention
@@ -15,13 +15,17 @@ module(s) timed and their share of the forward.
   :func:`ditops.bench.wan_model.build_model`), 512 text tokens; the module timed is the
   **self-attention** ``attn1`` alone (projections, q/k norm and rope, attention, output):
   the cross-attention to the text counts in the rest.
+* ``ltx_video``: a one-block ``LTXVideoTransformer3DModel`` of LTX-Video's geometry (32
+  heads of 64, patch 1; frames of 16 x 24 tokens, its 768 x 512 frame), 128 text tokens;
+  the module timed is the self-attention ``attn1``.
 
 Then a **projection, not a measurement**: the unpatched attention time is fitted as
 ``a * N^2`` and the rest as ``b * N`` (least squares over the lengths measured), the
 sparse attention module's speedup is taken from the longest length measured, and
 Amdahl's law gives the forward's speedup at the family's 480p and 720p token counts
 (HunyuanVideo, 129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens; Wan, 81
-frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens).
+frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens; LTX-Video, 121 frames: 16
+latent frames of 16 x 24 and of 22 x 38 tokens).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from typing import Any
 import torch
 
 from ditops.bench import hunyuan_video as hv
+from ditops.bench import ltx_video as ltx
 from ditops.bench import wan, wan_model
 from ditops.bench.model_runs import timed_forward
 
@@ -44,6 +49,8 @@ FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 TARGETS = {"480p (848x480)": 33 * 30 * 53, "720p (1280x720)": 33 * 45 * 80}
 #: Wan's video tokens at 81 frames (21 latent frames), 480p and 720p.
 WAN_TARGETS = {"480p (832x480)": 21 * 30 * 52, "720p (1280x720)": 21 * 45 * 80}
+#: LTX-Video's tokens at 121 frames (16 latent frames; VAE 32 x 32 x 8, patch 1).
+LTX_TARGETS = {"512p (768x512)": 16 * 16 * 24, "704p (1216x704)": 16 * 22 * 38}
 
 
 @dataclass(frozen=True)
@@ -64,6 +71,8 @@ class Family:
     default_dtype: Callable[[torch.device], torch.dtype]
     targets: dict[str, int]
     text_tokens: int
+    #: a latent frame (height, width)
+    frame: tuple[int, int] = FRAME
 
 
 def _wan_patch(config: dict[str, Any]) -> tuple[int, int]:
@@ -97,6 +106,20 @@ FAMILIES: dict[str, Family] = {
         targets=WAN_TARGETS,
         text_tokens=wan.TEXT_TOKENS,
     ),
+    "ltx_video": Family(
+        model="LTX-Video geometry (32 heads of 64), 1 block; attn: self-attention (attn1) "
+        "only, cross-attention in the rest",
+        config=lambda o: {**ltx.BASE_CONFIG, **ltx.SIZES["full"]["config"], "num_layers": 1,
+                          **o},
+        build=lambda device, dtype, config: ltx.build_model(device, dtype, **config),
+        inputs=ltx.make_inputs,
+        attention=ltx.self_attentions,
+        patch=lambda config: (config["patch_size"], config["patch_size"]),
+        default_dtype=hv.default_dtype,
+        targets=LTX_TARGETS,
+        text_tokens=128,
+        frame=(16, 24),  # LTX-Video's 768 x 512 frame: 384 tokens
+    ),
 }  # fmt: skip
 
 
@@ -114,13 +137,14 @@ def run(
     rounds: int = 1,
     text_tokens: int | None = None,
     block_size: int = 128,
-    frame: tuple[int, int] = FRAME,
+    frame: tuple[int, int] | None = None,
     dtype: torch.dtype | None = None,
     progress: bool = True,
     **overrides: Any,
 ) -> dict[str, Any]:
     """Measure each length (see the module docstring); ``text_tokens`` None: the family's
-    (64, Wan 512); ``overrides`` replace entries of the model config."""
+    (64, Wan 512); ``frame`` None: the family's latent frame; ``overrides`` replace entries
+    of the model config."""
     from ditops.attention.schedule import BlockSparseConfig
     from ditops.bench.harness import Progress
     from ditops.integrations import patch, unpatch
@@ -128,6 +152,7 @@ def run(
     if family not in FAMILIES:
         raise ValueError(f"video_scaling: family must be one of {sorted(FAMILIES)}, got {family!r}")
     fam = FAMILIES[family]
+    frame = fam.frame if frame is None else frame
     text_tokens = fam.text_tokens if text_tokens is None else text_tokens
     dtype = fam.default_dtype(device) if dtype is None else dtype
     config = fam.config(overrides)

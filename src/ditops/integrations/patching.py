@@ -27,6 +27,8 @@ from ditops.integrations.flux2.family import SPEC as FLUX2
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
+from ditops.integrations.ltx2.family import LTX2Family
+from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.mochi.family import SPEC as MOCHI
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -51,6 +53,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(HUNYUAN_VIDEO),
     DeclaredFamily(HUNYUAN_VIDEO15),
     DeclaredFamily(FRAMEPACK),
+    LTXVideoFamily,
+    LTX2Family,
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

@@ -1,0 +1,1 @@
+"""LTX-2: the declaration (``family``) and its fused forward and processor (``forwards``)."""

@@ -1,0 +1,1 @@
+"""LTX-Video: the declaration (``family``) and its fused forward and processor (``forwards``)."""
