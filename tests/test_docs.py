@@ -57,6 +57,7 @@ def test_every_family_and_its_classes_are_in_the_families_tables() -> None:
 def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
+    from tests.integrations.test_diffusers_chroma import tiny_chroma
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_flux2 import tiny_flux2
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
@@ -65,6 +66,7 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_ltx2 import tiny_ltx2
     from tests.integrations.test_diffusers_ltx_video import tiny_ltx
     from tests.integrations.test_diffusers_mochi import tiny_mochi
+    from tests.integrations.test_diffusers_sd3 import SD35, tiny_sd3
     from tests.integrations.test_diffusers_wan import tiny_wan
 
     return {
@@ -77,6 +79,8 @@ def _models() -> dict[str, nn.Module]:
         "hunyuan_video_framepack": tiny_framepack(),
         "ltx_video": tiny_ltx(),
         "ltx2": tiny_ltx2(),
+        "sd3": tiny_sd3(**SD35),
+        "chroma": tiny_chroma(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations.chroma.family import SPEC as CHROMA
 from ditops.integrations.flux.family import SPEC as FLUX
 from ditops.integrations.flux2.family import SPEC as FLUX2
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
@@ -30,6 +31,7 @@ from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.mochi.family import SPEC as MOCHI
+from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
     ModelFamily,
@@ -55,6 +57,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(FRAMEPACK),
     LTXVideoFamily,
     LTX2Family,
+    DeclaredFamily(SD3),
+    DeclaredFamily(CHROMA),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

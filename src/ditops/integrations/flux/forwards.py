@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.base import DenseProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -36,8 +36,8 @@ def prologue_bypass(attn: nn.Module) -> Bypass:
 
 
 def clip_fp16(h: torch.Tensor) -> torch.Tensor:
-    """FLUX's own fp16 guard (FLUX.1 and FLUX.2), in its own place: after the residual
-    adds it names."""
+    """FLUX's own guard (FLUX.1, FLUX.2 and Chroma), in its own place (after the residual
+    adds it names): fp16 activations clipped to the largest finite fp16."""
     if h.dtype == torch.float16:
         return h.clip(-FP16_MAX, FP16_MAX)
     return h
@@ -133,6 +133,22 @@ def double_block_forward(
         image_rotary_emb=image_rotary_emb,
         **(joint_attention_kwargs or {}),
     )
+    return double_block_tail(block, ops, hidden_states, encoder_hidden_states, outputs, emb, c_emb)
+
+
+def double_block_tail(
+    block: nn.Module,
+    ops: Ops,
+    hidden_states: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    outputs: tuple[torch.Tensor, ...],
+    emb: tuple[torch.Tensor, ...],
+    c_emb: tuple[torch.Tensor, ...],
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A double-stream block after its attention (FLUX's, Chroma's): each stream's gated
+    residual, modulated ``norm2``, feed-forward and gated residual, IP-Adapter's output
+    added to the image stream, the text stream clipped in fp16. ``emb``/``c_emb``: each
+    stream's six modulation chunks."""
     if len(outputs) == 2:
         attn_output, context_attn_output = outputs
         ip_attn_output = None
@@ -140,7 +156,7 @@ def double_block_forward(
         attn_output, context_attn_output, ip_attn_output = outputs
     else:
         raise ValueError(
-            f"FluxTransformerBlock: the attention processor returned {len(outputs)} outputs; "
+            f"{type(block).__name__}: the attention processor returned {len(outputs)} outputs; "
             "expected 2 (image, text) or 3 (with IP-Adapter's)"
         )
     hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
@@ -176,7 +192,7 @@ def single_block_forward(
     return hidden_states[:, :text_seq_len], hidden_states[:, text_seq_len:]
 
 
-class FusedFluxAttnProcessor(WrappingProcessor):
+class FusedFluxAttnProcessor(DenseProcessor):
     """diffusers' ``FluxAttnProcessor`` with the attention prologue on ditops'
     ``qk_norm_rope`` (see :mod:`ditops.integrations.flux.family`); everything else is FLUX's code
     path.
@@ -189,20 +205,6 @@ class FusedFluxAttnProcessor(WrappingProcessor):
     """
 
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        if sparse is not None:
-            raise ValueError("FusedFluxAttnProcessor: FLUX has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops  # None (built by a loader): FluxAttnProcessor's own code
 
     def __call__(
         self,

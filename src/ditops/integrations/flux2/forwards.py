@@ -19,7 +19,7 @@ from ditops.integrations.flux.forwards import (
     norm_rope,
     prologue_bypass,
 )
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.base import DenseProcessor
 from ditops.integrations.shared.guard import float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -112,27 +112,10 @@ def single_block_forward(
     return hidden_states
 
 
-class _Flux2Processor(WrappingProcessor):
-    """What both FLUX.2 processors share: built as diffusers' loaders build processors
-    (``type(p)()``), no sparse attention, ``ops`` None runs the original's code."""
+class _Flux2Processor(DenseProcessor):
+    """What both FLUX.2 processors share: the tables of a fused call, the attention."""
 
     wraps: tuple[str, str]
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:
-            import importlib
-
-            original = getattr(importlib.import_module(_MODULE), self.wraps[1])()
-        if sparse is not None:
-            raise ValueError(f"{type(self).__name__}: FLUX.2 has no sparse attention in ditops")
-        super().__init__(original)
-        self.ops = ops
 
     def _tables(
         self, attn: nn.Module, hidden_states: torch.Tensor, image_rotary_emb: Any

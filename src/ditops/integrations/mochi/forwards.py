@@ -139,9 +139,7 @@ class FusedMochiAttnProcessor(WrappingProcessor):
         sparse: Any = None,
     ) -> None:
         if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.attention_processor import MochiAttnProcessor2_0
-
-            original = MochiAttnProcessor2_0()
+            original = self.original_processor()
         if sparse is not None:
             raise ValueError("FusedMochiAttnProcessor: no sparse attention for Mochi yet")
         super().__init__(original)

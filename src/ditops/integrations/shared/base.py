@@ -334,6 +334,23 @@ class WrappingProcessor:
         )
 
 
+class DenseProcessor(WrappingProcessor):
+    """Base of ditops' processors that fuse the prologue of diffusers' dense attention
+    (FLUX's, SD3's): no sparse attention. Built as ``cls(original, ops=...)``; built as
+    diffusers' loaders build processors, ``type(p)()``, it wraps a new processor of the
+    class it ``wraps`` and, with no ops, runs that processor's own code."""
+
+    def __init__(
+        self, original: Any | None = None, ops: Any = None, steps: Any = None, sparse: Any = None
+    ) -> None:
+        if original is None:
+            original = self.original_processor()
+        if sparse is not None:
+            raise ValueError(f"{type(self).__name__}: this family has no sparse attention")
+        super().__init__(original)
+        self.ops = ops
+
+
 def register_like(ours: type, theirs: type) -> None:
     """Tell diffusers' ``AttentionProcessorRegistry`` (what LayerSkip and other hooks look
     processors up in) that ``ours`` behaves as ``theirs`` (the processor it wraps) does,

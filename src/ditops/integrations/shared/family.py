@@ -10,7 +10,8 @@ A family is a :class:`FamilySpec`, plain data:
   changed forward is refused), with what the twin computes without calling
   (``bypasses``: what the guard watches and :func:`ditops.explain_patch` reports), the
   checks that refuse the model (``problems``) or leave that block unfused (``unfused``),
-  and the attention submodule whose processor ditops wraps.
+  and the attention submodules whose processors ditops wraps (an attention module with
+  no prologue to fuse, ``plain``, keeps diffusers' processor).
 * ``attention``: :class:`Attention`, diffusers' processor classes ditops wraps, with
   ditops' processor for each, the fingerprints of their ``__call__``, and whether a
   processor of another class (IP-Adapter's, the user's) is kept or refused.
@@ -84,10 +85,15 @@ class Fused:
     #: Leave this block unfused, with the reason (a norm of the user's): ``unfused(block,
     #: where)``; its first entry is the reason given.
     unfused: Check = _none
-    #: The attention submodule whose processor ditops wraps (None: none).
-    attention: str | None = None
+    #: The attention submodule(s) whose processors ditops wraps (None: none); one that is
+    #: None on a block (SD3's ``attn2`` of a block without dual attention) is skipped.
+    attention: str | tuple[str, ...] | None = None
     #: Checks of that attention module when the prologue is fused (``norms=True``).
     prologue: Check = _none
+    #: Why an attention module has no prologue ditops fuses (no q/k norms): then its
+    #: processor stays diffusers' (counted as kept, with the reason; the block is still
+    #: fused) and ``prologue`` is not asked. Looked at without sparse attention only.
+    plain: Check = _none
     #: Counted as ``"fused <kind>"`` / ``"unfused <kind>"``.
     kind: str = "blocks"
 
@@ -264,12 +270,21 @@ class DeclaredFamily:
     def _attention(
         self, block: nn.Module, label: str, kind: Fused, options: PatchOptions, plan: Plan
     ) -> list[str]:
-        """Check the processor of the block's attention; plan to wrap it."""
+        """Check the processors of the block's attention modules; plan to wrap them."""
+        names = (kind.attention,) if isinstance(kind.attention, str) else kind.attention or ()
+        problems = []
+        for name in names:
+            attn = getattr(block, name, None)
+            if attn is not None or len(names) == 1:
+                problems += self._one_attention(attn, f"{label}.{name}", kind, options, plan)
+        return problems
+
+    def _one_attention(
+        self, attn: nn.Module | None, where: str, kind: Fused, options: PatchOptions, plan: Plan
+    ) -> list[str]:
         spec = self.spec.attention
-        if kind.attention is None or spec is None:
+        if spec is None:
             return []
-        attn = getattr(block, kind.attention, None)
-        where = f"{label}.{kind.attention}"
         proc = getattr(attn, "processor", None)
         ours = spec.processors.get((type(proc).__module__, type(proc).__name__))
         if ours is None:
@@ -278,6 +293,11 @@ class DeclaredFamily:
                 return []
             names = ", ".join(dict.fromkeys(n for _, n in spec.processors))
             return [f"{where}.processor is a {type(proc).__name__}, not {names}"]
+        if options.attention is None and attn is not None:
+            plain = kind.plain(attn, where)
+            if plain:
+                plan.kept.append(f"{where}: {type(proc).__name__} ({plain[0]})")
+                return []
         problems = []
         fp = fingerprint(type(proc).__call__)
         if fp not in spec.known:

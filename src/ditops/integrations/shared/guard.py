@@ -144,6 +144,8 @@ class Bypass:
             module = _submodule(root, name)
             if type(module) is not cls:
                 return f"{name} is a {type(module).__name__}, not the {cls.__name__} patched"
+            if module is None:  # absent when patched (SD3's last norm2_context): still so
+                continue
             what = attached_to(module)
             if what is not None:
                 return f"{name} has {what}"

@@ -1,0 +1,1 @@
+"""Chroma (``ChromaTransformer2DModel``): FLUX's blocks with modulations from the approximator."""
