@@ -66,8 +66,10 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_ltx2 import tiny_ltx2
     from tests.integrations.test_diffusers_ltx_video import tiny_ltx
     from tests.integrations.test_diffusers_mochi import tiny_mochi
+    from tests.integrations.test_diffusers_qwen_image import tiny_qwen
     from tests.integrations.test_diffusers_sd3 import SD35, tiny_sd3
     from tests.integrations.test_diffusers_wan import tiny_wan
+    from tests.integrations.test_diffusers_z_image import tiny_z_image
 
     return {
         "wan": tiny_wan(keep_fp32=True),
@@ -81,6 +83,8 @@ def _models() -> dict[str, nn.Module]:
         "ltx2": tiny_ltx2(),
         "sd3": tiny_sd3(**SD35),
         "chroma": tiny_chroma(),
+        "qwen_image": tiny_qwen(),
+        "z_image": tiny_z_image(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

@@ -31,6 +31,7 @@ from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
 from ditops.integrations.mochi.family import SPEC as MOCHI
+from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
     SPARSE_MODELS,
@@ -43,6 +44,7 @@ from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
+from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 
 logger = logging.getLogger("ditops")
 
@@ -59,6 +61,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     LTX2Family,
     DeclaredFamily(SD3),
     DeclaredFamily(CHROMA),
+    DeclaredFamily(QWEN_IMAGE),
+    DeclaredFamily(Z_IMAGE),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

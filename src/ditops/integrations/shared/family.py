@@ -105,7 +105,8 @@ class Fused:
 class Blocks:
     """Where a family's blocks are and what they may be."""
 
-    #: Model attributes: a ``ModuleList`` of blocks, or one module (``"norm_out"``).
+    #: Model attributes: a ``ModuleList`` or ``ModuleDict`` of blocks, or one module
+    #: (``"norm_out"``).
     attrs: tuple[str, ...]
     kinds: tuple[Fused, ...]
     #: Whether a model without any of them is refused.
@@ -189,6 +190,9 @@ def _places(model: nn.Module, blocks: Blocks) -> Iterator[tuple[str, str, nn.Mod
         if isinstance(found, nn.ModuleList):
             for i, block in enumerate(found):
                 yield f"{attr}.{i}", f"{attr}[{i}]", block
+        elif isinstance(found, nn.ModuleDict):  # Z-Image's final layers, by patch size
+            for key, block in found.items():
+                yield f"{attr}.{key}", f"{attr}[{key!r}]", block
         elif isinstance(found, nn.Module):
             yield attr, attr, found
 

@@ -1,0 +1,1 @@
+"""Z-Image: the declaration (``family``) and its fused forwards and processor (``forwards``)."""

@@ -1,0 +1,178 @@
+"""What every patched model of a declared family must survive, written once: deep copies,
+pickling, patching again, torch.compile before any eager call, the Triton paths, and
+refusals that change nothing. A family's test module describes its tiny model as a
+:class:`Life` and calls these."""
+
+from __future__ import annotations
+
+import copy
+import io
+import pickle
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops import config
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.custom_op import reset_state
+from ditops.integrations import PatchError
+from tests.integrations.spies import install_spies
+from tests.precision import max_rel_err
+
+
+@dataclass
+class Life:
+    """A family's tiny model, as the checks below use it."""
+
+    #: ``make(**config_overrides)``: the tiny model, bf16, seeded.
+    make: Callable[..., nn.Module]
+    #: ``inputs()``: keyword arguments of one forward.
+    inputs: Callable[[], dict]
+    #: ``run(model, **inputs)``: the output, under inference mode.
+    run: Callable[..., Any]
+    #: Whether two outputs are bitwise equal.
+    same: Callable[[Any, Any], bool]
+    #: A fused block of a model (where ``forward`` is patched on the instance).
+    block: Callable[[nn.Module], nn.Module]
+    #: Its attention module (where the processor is swapped).
+    attention: Callable[[nn.Module], nn.Module]
+    #: diffusers' processor class the attention has unpatched.
+    processor: type
+
+
+@pytest.fixture
+def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """No op planned, no settings read, dynamo reset: as a fresh process starts."""
+    reset_state()
+    monkeypatch.setattr(config, "_process", None)
+    torch._dynamo.reset()
+    yield
+    reset_state()
+
+
+def unpatched(life: Life, model: nn.Module) -> bool:
+    """Whether ``model`` shows no trace of a patch."""
+    return (
+        not hasattr(model, "_ditops_patch")
+        and "forward" not in vars(life.block(model))
+        and type(life.attention(model).processor) is life.processor
+    )
+
+
+def refused_whole(life: Life, change: Callable, fragment: str, mp: pytest.MonkeyPatch) -> None:
+    """``change(monkeypatch, model)`` makes the model one the patch must refuse, naming
+    ``fragment``; nothing changes, and once the change is undone the model is itself."""
+    model = life.make()
+    x = life.inputs()
+    ref = life.run(model, **x)
+    change(mp, model)
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model)
+    assert unpatched(life, model)
+    mp.undo()
+    assert life.same(life.run(model, **x), ref)
+
+
+def sparse_refused(life: Life) -> None:
+    """The error names the families that serve sparse attention and the model's class."""
+    model = life.make()
+    name = type(model).__name__
+    pattern = r"sparse attention is supported for .*WanTransformer3DModel.*not for " + name
+    with pytest.raises(PatchError, match=pattern):
+        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
+    assert unpatched(life, model)
+
+
+def deep_copy_is_independent(life: Life, weights: Callable[[nn.Module], list]) -> None:
+    """A deep copy of a patched model runs its own ``weights(model)`` (halved in the copy),
+    leaves the original alone, and unpatches on its own."""
+    model = life.make()
+    x = life.inputs()
+    ditops.patch(model, precision="exact")
+    before = life.run(model, **x)
+    twin = copy.deepcopy(model)
+    assert life.same(life.run(twin, **x), before)
+    with torch.no_grad():
+        for w in weights(twin):
+            w.mul_(0.5)
+    changed = life.run(twin, **x)
+    assert not life.same(changed, before)  # the copy runs its own weights
+    assert life.same(life.run(model, **x), before)
+    ditops.unpatch(twin)
+    assert life.same(life.run(twin, **x), changed)  # exact: unpatched, the same bits
+    assert hasattr(model, "_ditops_patch")
+
+
+def patched_model_pickles(life: Life) -> None:
+    model = life.make()
+    x = life.inputs()
+    ditops.patch(model, precision="fast")
+    before = life.run(model, **x)
+    buf = io.BytesIO()
+    torch.save(model, buf)
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert life.same(life.run(loaded, **x), before)
+    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
+    ditops.unpatch(loaded)
+    assert unpatched(life, loaded)
+
+
+def patching_again_switches_precision(life: Life) -> None:
+    model = life.make()
+    x = life.inputs()
+    ref = life.run(model, **x)
+    ditops.patch(model, precision="fast")
+    fast = life.run(model, **x)
+    assert not life.same(fast, ref)  # fast rounds once: some bits differ
+    ditops.patch(model, norms=True)  # precision kept
+    assert model._ditops_patch.options.precision == "fast"
+    assert life.same(life.run(model, **x), fast)
+    ditops.patch(model, precision="exact")
+    assert life.same(life.run(model, **x), ref)
+
+
+def compile_first_fullgraph(life: Life, prepare: Callable[[nn.Module], None] | None = None) -> None:
+    """The whole patched model (one block of each kind: ``make`` is given the overrides)
+    compiled before any eager call of an op, fullgraph, aot_eager (dynamo and AOT tracing
+    through the kernels' fake implementations), no recompile on the second call, bitwise
+    the unpatched model. ``prepare(model)``: what must run eagerly first (not ditops')."""
+    x = life.inputs()
+    model = life.make()
+    if prepare is not None:
+        prepare(model)
+    ditops.patch(model, precision="exact")
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        first = life.run(compiled, **x)
+        again = life.run(compiled, **x)
+    assert life.same(first, again)
+    assert life.same(first, life.run(life.make(), **x))
+
+
+def on_the_triton_paths(
+    life: Life, mp: pytest.MonkeyPatch, op_names: tuple[str, ...], tolerance: float
+) -> dict[str, int]:
+    """The patched model, fast precision, with every fused op on its Triton path (CPU
+    tensors through Triton's interpreter, dispatched as CUDA; strict: a fall back would
+    raise), within ``tolerance`` of the unpatched model; returns the calls of each op."""
+    model = life.make()
+    x = life.inputs()
+    ref = life.run(model, **x)
+    ditops.patch(model, precision="fast")
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
+            ops = [ditops.registered_ops()[name] for name in op_names]
+            used = install_spies(mp, ops, "forward_cuda")
+            out = life.run(model, **x)
+    finally:
+        reset_state()
+    outs, refs = (o if isinstance(o, list) else [o] for o in (out, ref))
+    assert all(max_rel_err(o, r) <= tolerance for o, r in zip(outs, refs))
+    return used

@@ -1,0 +1,335 @@
+"""ditops.patch on a tiny diffusers ZImageTransformer2DModel built from keyword arguments.
+
+Parity: exact precision is bitwise equal to the unpatched model in fp32, bf16 and fp16,
+with samples of different lengths (padding masks), in Omni mode (per-token modulation of
+noisy and clean tokens, the SigLIP refiner), with the fused CPU paths counted per forward
+(not a silent fall back to the eager expressions, which would be trivially equal); fast
+precision within tolerance; unpatch restores bitwise. Then what a patch must survive:
+deep copies, pickling, patching again, hooks (torch's, diffusers' group offloading),
+torch.compile, and models it must refuse.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import replace
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.integrations import PatchError
+from tests.integrations.family_life import (
+    Life,
+    compile_first_fullgraph,
+    deep_copy_is_independent,
+    fresh_process,  # noqa: F401 (a fixture)
+    on_the_triton_paths,
+    patched_model_pickles,
+    patching_again_switches_precision,
+    refused_whole,
+    sparse_refused,
+)
+from tests.integrations.spies import cpu_paths_of
+from tests.precision import max_rel_err
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import ZImageTransformer2DModel  # noqa: E402
+from diffusers.models.transformers import transformer_z_image as tz  # noqa: E402
+
+NAME = "ZImageTransformer2DModel"
+FAST_REL_TOL = 2e-2  # bf16/fp16 activations through 4 blocks: a few ulps of the dtype
+TINY = dict(
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=4,
+    dim=32,
+    n_layers=2,
+    n_refiner_layers=1,
+    n_heads=2,
+    n_kv_heads=2,
+    cap_feat_dim=24,
+    axes_dims=[4, 6, 6],
+    axes_lens=[128, 32, 32],
+)
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_z_image(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
+    torch.manual_seed(0)
+    model = ZImageTransformer2DModel(**{**TINY, **overrides}).to(dtype).eval()
+    with torch.no_grad():  # RMSNorm weights start at 1: make them matter
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.normal_(1.0, 0.3)
+    return model
+
+
+def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2) -> dict:
+    """Images and captions of different sizes per sample (the second pads to 64 tokens,
+    the first to 32): padded, masked sequences."""
+    g = torch.Generator().manual_seed(1)
+    return {
+        "x": [torch.randn(4, 1, 8 + 4 * i, 6 + 6 * i, generator=g).to(dtype) for i in range(batch)],
+        "t": torch.tensor([0.3] * batch, dtype=dtype),
+        "cap_feats": [torch.randn(5 + 30 * i, 24, generator=g).to(dtype) for i in range(batch)],
+    }
+
+
+def omni_inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2) -> dict:
+    """Omni mode: a clean reference image (with SigLIP features) and the noisy target."""
+    g = torch.Generator().manual_seed(2)
+
+    def r(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=g).to(dtype)
+
+    return {
+        "x": [[r(4, 1, 4, 6), r(4, 1, 6, 6)] for _ in range(batch)],
+        "t": torch.tensor([0.3] * batch, dtype=dtype),
+        "cap_feats": [[r(3 + i, 24), r(4, 24)] for i in range(batch)],
+        "siglip_feats": [[r(2, 3, 20), None] for _ in range(batch)],
+        "image_noise_mask": [[0, 1]] * batch,
+    }
+
+
+def run(model: nn.Module, **kw: object) -> list[torch.Tensor]:
+    with torch.inference_mode():
+        return list(model(**kw, return_dict=False)[0])
+
+
+def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
+    return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+
+ZIMAGE_OPS = ("adaln_modulate", "adaln_residual", "qk_norm_rope", "rms_norm")
+cpu_paths = cpu_paths_of(*ZIMAGE_OPS)  # counts the calls reaching each op's forward_cpu
+
+
+def per_forward(blocks: int) -> dict[str, int]:
+    """Per block: four RMSNorms, two residuals, one prologue; the final layer's norm."""
+    return {"rms_norm": 4 * blocks, "adaln_residual": 2 * blocks, "qk_norm_rope": blocks,
+            "adaln_modulate": 1}  # fmt: skip
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(dtype: str, cpu_paths: dict) -> None:
+    model = tiny_z_image(DTYPES[dtype])
+    x = inputs(DTYPES[dtype])
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME] == {
+        "fused blocks": 4,
+        "fused attention prologues": 4,
+        "fused final layers": 1,
+    }
+    assert same(run(model, **x), ref)
+    assert cpu_paths == per_forward(4)
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.layers[0])
+    assert type(model.layers[0].attention.processor) is tz.ZSingleStreamAttnProcessor
+    assert same(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_omni_mode_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict) -> None:
+    model = tiny_z_image(DTYPES[dtype], siglip_feat_dim=20)
+    x = omni_inputs(DTYPES[dtype])
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME]["fused blocks"] == 5  # with the SigLIP refiner's
+    assert same(run(model, **x), ref)
+    assert cpu_paths == per_forward(5)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_patch_within_tolerance(dtype: str) -> None:
+    model = tiny_z_image(DTYPES[dtype])
+    x = inputs(DTYPES[dtype])
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    for o, r in zip(out, ref):
+        assert o.dtype == r.dtype
+        assert max_rel_err(o, r) <= FAST_REL_TOL
+
+
+def test_exact_off_the_cpu_runs_diffusers_processor() -> None:
+    """A GPU may compute the complex product with fused multiply-adds: exact precision
+    off the CPU keeps diffusers' processor (meta tensors stand for the device)."""
+    model = tiny_z_image()
+    ditops.patch(model, precision="exact")
+    attn = model.layers[0].attention
+    processor, called = attn.processor, []
+    processor.original = lambda *args: called.append(args) or "original"
+    h = torch.empty(1, 6, 32, device="meta", dtype=torch.bfloat16)
+    freqs = torch.polar(torch.ones(1, 6, 8), torch.randn(1, 6, 8))
+    assert processor(attn, h, freqs_cis=freqs) == "original"
+    assert len(called) == 1
+
+
+def test_exact_off_the_cpu_runs_diffusers_block(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Off the CPU (meta tensors stand for the device) an exact block runs diffusers'
+    forward: an NPU's RMSNorm is npu_rms_norm, which the rms op's meaning is not."""
+    model = tiny_z_image()
+    ditops.patch(model, precision="exact")
+    called = []
+    monkeypatch.setattr(
+        tz.ZImageTransformerBlock, "forward", lambda *args: called.append(args) or "diffusers"
+    )
+    x = torch.empty(1, 6, 32, device="meta", dtype=torch.bfloat16)
+    assert model.context_refiner[0](x, None, None) == "diffusers"
+    assert len(called) == 1
+
+
+def test_a_hook_on_a_bypassed_norm_runs_that_block_unfused() -> None:
+    model = tiny_z_image()
+    x = inputs()
+    seen: list[int] = []
+    model.layers[1].ffn_norm2.register_forward_hook(lambda *_: seen.append(1))
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME]["fused blocks"] == 3
+    assert report.unfused[NAME]["layers.1"] == "ffn_norm2 has a torch forward hook"
+    seen.clear()
+    assert same(run(model, **x), ref)
+    assert seen == [1]  # the hook still runs
+
+
+def test_a_hook_on_a_q_norm_keeps_diffusers_prologue(cpu_paths: dict) -> None:
+    model = tiny_z_image()
+    x = inputs()
+    seen: list[int] = []
+    ditops.patch(model, precision="exact")
+    model.noise_refiner[0].attention.norm_k.register_forward_hook(lambda *_: seen.append(1))
+    assert same(run(model, **x), run(tiny_z_image(), **x))
+    assert seen == [1]
+    assert cpu_paths["qk_norm_rope"] == 3  # the other blocks' prologues
+
+
+def test_leaf_level_group_offloading_runs_diffusers_code_bitwise() -> None:
+    """diffusers' leaf-level group offloading hooks every module with weights: every
+    RMSNorm (the blocks' and the q/k norms) is hooked, so blocks and prologues run
+    diffusers' code, which onloads them; the final layer's norm has no weights: fused."""
+    model = tiny_z_image()
+    x = inputs()
+    ref = run(model, **x)
+    cpu = torch.device("cpu")
+    model.enable_group_offload(onload_device=cpu, offload_device=cpu, offload_type="leaf_level")
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME]["unfused blocks"] == 4
+    assert report.models[NAME]["fused final layers"] == 1
+    assert same(run(model, **x), ref)
+
+
+def test_a_norm_of_another_kind_runs_diffusers_forward() -> None:
+    model = tiny_z_image()
+    model.context_refiner[0].attention_norm2 = nn.LayerNorm(32).bfloat16()
+    x = inputs()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    why = report.unfused[NAME]["context_refiner.0"]
+    assert why == "attention_norm2 is a LayerNorm, not diffusers' RMSNorm with a weight and no bias"
+    assert report.models[NAME]["fused blocks"] == 3
+    assert same(run(model, **x), ref)
+
+
+LIFE = Life(
+    make=tiny_z_image,
+    inputs=inputs,
+    run=run,
+    same=same,
+    block=lambda m: m.layers[0],
+    attention=lambda m: m.layers[0].attention,
+    processor=tz.ZSingleStreamAttnProcessor,
+)
+
+
+def _changed(owner: object, attr: str):
+    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+        original = getattr(owner, attr)
+
+        def changed(*args, **kwargs):
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, attr, changed)
+
+    return change
+
+
+def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+    monkeypatch.setattr(model.layers[1].attention.norm_k, "eps", 1e-6)
+
+
+def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+    modules = model.all_final_layer["2-1"]._modules  # (setitem: undone with the rest)
+    monkeypatch.setitem(modules, "norm_final", nn.LayerNorm(32).bfloat16())
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (_changed(tz.ZImageTransformerBlock, "forward"),
+         r"noise_refiner\[0\] is a ZImageTransformerBlock whose forward"),
+        (_changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
+        (_changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
+        (_changed(tz.ZSingleStreamAttnProcessor, "__call__"),
+         r"attention.processor ZSingleStreamAttnProcessor.__call__ \("),
+        (_eps, r"layers\[1\].attention.norm_q/norm_k have different eps"),
+        (_final_norm, r"all_final_layer\['2-1'\].norm_final is not a LayerNorm without affine"),
+    ],
+    ids=["block_forward", "final_forward", "select_per_token", "processor", "qk_eps", "final"],
+)  # fmt: skip
+def test_models_it_was_not_written_for_are_refused_whole(
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused_whole(LIFE, change, fragment, monkeypatch)
+
+
+def test_without_qk_norms_is_refused() -> None:
+    model = tiny_z_image(qk_norm=False)
+    with pytest.raises(PatchError, match=r"no q/k norms \(qk_norm=False\)"):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+
+
+def test_sparse_attention_is_refused_naming_the_families_that_serve_it() -> None:
+    sparse_refused(LIFE)
+
+
+# --- a patched model's life (tests/integrations/family_life.py) -----------------------------
+
+
+def test_deep_copy_is_an_independent_patched_model() -> None:
+    def weights(model: nn.Module) -> list[torch.Tensor]:
+        return [p for b in model.layers for p in (b.attention.norm_q.weight, b.ffn_norm1.weight)]
+
+    deep_copy_is_independent(LIFE, weights)
+
+
+def test_patched_model_pickles() -> None:
+    patched_model_pickles(LIFE)
+
+
+def test_patching_again_switches_precision() -> None:
+    patching_again_switches_precision(LIFE)
+
+
+def _rope_tables(model: nn.Module) -> None:
+    # diffusers' RopeEmbedder builds its tables on the first call under a device context
+    # manager, which dynamo does not trace (patched or not): built before compiling.
+    model.rope_embedder(torch.zeros(1, 3, dtype=torch.long))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_first_fullgraph_without_recompiles() -> None:
+    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
+    compile_first_fullgraph(one_layer, prepare=_rope_tables)
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
+    assert on_the_triton_paths(one_layer, monkeypatch, ZIMAGE_OPS, FAST_REL_TOL) == per_forward(3)
