@@ -10,10 +10,6 @@ bypassed norm, torch.compile) and the models it must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -21,12 +17,13 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.family_checks import (
-    assert_refused_whole,
-    cached_steps,
+from tests.integrations.family_checks import assert_refused_whole, cached_steps
+from tests.integrations.lifecycle import (
     change_source,
-    fresh_process,  # noqa: F401 (a fixture)
-    on_triton_paths,
+    check_compile_fullgraph,
+    check_deep_copy,
+    check_pickles_and_patches_again,
+    check_triton_paths,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
@@ -301,48 +298,13 @@ def test_norms_false_changes_nothing() -> None:
 # --- a patched model's life -------------------------------------------------------------------
 
 
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_flux2()
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
+def test_deep_copy_pickle_and_patching_again() -> None:
+    def halve(twin: nn.Module) -> None:
         for block in twin.single_transformer_blocks:
             block.attn.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)
-    assert torch.equal(run(model, **x), before)
 
-
-def test_patched_model_pickles() -> None:
-    model = tiny_flux2()
-    x = inputs()
-    ditops.patch(model, precision="fast")
-    before = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), before)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.unpatch(loaded)
-    assert "forward" not in vars(loaded.single_transformer_blocks[0])
-
-
-def test_patching_again_switches_precision() -> None:
-    x = inputs(batch=2)
-    model = tiny_flux2()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
+    check_deep_copy(tiny_flux2(), inputs(), run, halve)
+    check_pickles_and_patches_again(tiny_flux2(), inputs(batch=2), run)
 
 
 #: Four steps' timesteps (TaylorSeer caches some of them).
@@ -393,36 +355,19 @@ def test_block_level_group_offloading_in_both_orders(
 
 
 @pytest.mark.slow
-@pytest.mark.usefixtures("fresh_process")
 def test_compile_first_fullgraph_without_recompiles() -> None:
-    """The whole patched model compiled before any eager call, fullgraph, no recompile on
-    the second call (aot_eager: dynamo and AOT tracing through the kernels' fake
-    implementations); one block of each kind."""
-    x = inputs()
-    model = tiny_flux2(num_layers=1, num_single_layers=1)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        first = run(compiled, **x)
-        again = run(compiled, **x)
-    assert torch.equal(first, again)
-    assert torch.equal(first, run(tiny_flux2(num_layers=1, num_single_layers=1), **x))
+    """One block of each kind, compiled before any eager call, fullgraph."""
+    check_compile_fullgraph(lambda: tiny_flux2(num_layers=1, num_single_layers=1), inputs(), run)
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
-    dispatched as CUDA; strict: a fall back would raise), fast precision, against the
-    unpatched model; one block of each kind."""
+    """Every fused op on its Triton path (interpreter, strict), one block of each kind."""
     from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
-    model = tiny_flux2(num_layers=1, num_single_layers=1)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
     ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
            qk_norm_rope.QKNormRopeOp)  # fmt: skip
-    used, out = on_triton_paths(monkeypatch, ops, lambda: run(model, **x))
+    model = tiny_flux2(num_layers=1, num_single_layers=1)
+    used = check_triton_paths(monkeypatch, model, inputs(batch=2), run, ops, FAST_REL_TOL)
     assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
                     "qk_norm_rope": 3}  # fmt: skip
-    assert max_rel_err(out, ref) <= FAST_REL_TOL

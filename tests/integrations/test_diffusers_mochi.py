@@ -9,10 +9,6 @@ both orders, a torch hook on a bypassed norm, torch.compile) and what it must re
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
-
 import pytest
 import torch
 from torch import nn
@@ -20,12 +16,13 @@ from torch import nn
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.family_checks import (
-    assert_refused_whole,
-    cached_steps,
+from tests.integrations.family_checks import assert_refused_whole, cached_steps
+from tests.integrations.family_life import fresh_process  # noqa: F401 (a fixture)
+from tests.integrations.lifecycle import (
     change_source,
-    fresh_process,  # noqa: F401 (a fixture)
-    on_triton_paths,
+    check_deep_copy,
+    check_pickles_and_patches_again,
+    check_triton_paths,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
@@ -243,27 +240,11 @@ def test_models_it_was_not_written_for_are_refused_whole(
 
 
 def test_deep_copy_pickle_and_patching_again() -> None:
-    model = tiny_mochi()
-    x = inputs()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
-    twin = copy.deepcopy(model)
-    with torch.no_grad():
+    def halve(twin: nn.Module) -> None:
         twin.transformer_blocks[0].attn1.norm_q.weight.mul_(0.5)
-    assert not torch.equal(run(twin, **x), fast)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), fast)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), fast)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
-    ditops.unpatch(loaded)
-    assert torch.equal(run(loaded, **x), ref)
+
+    check_deep_copy(tiny_mochi(), inputs(), run, halve)
+    check_pickles_and_patches_again(tiny_mochi(), inputs(), run)
 
 
 #: Three steps' timesteps, two samples each.
@@ -307,18 +288,11 @@ def test_compile_matches_eager() -> None:
 
 
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
-    dispatched as CUDA; strict: a fall back would raise): the RMSNorms without weight in
-    fp32, the prologue with the heads as the op's batch; fast precision, against the
-    unpatched model."""
+    """Every fused op on its Triton path (interpreter, strict): the RMSNorms without
+    weight in fp32, the prologue with the heads as the op's batch."""
     from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
-    model = tiny_mochi()
-    x = inputs()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
     ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
-    used, out = on_triton_paths(monkeypatch, ops, lambda: run(model, **x))
+    used = check_triton_paths(monkeypatch, tiny_mochi(), inputs(), run, ops, FAST_REL_TOL)
     assert used == PER_FORWARD
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
