@@ -58,6 +58,7 @@ def _models() -> dict[str, nn.Module]:
     """A tiny model per family (diffusers' classes, random weights, no download)."""
     pytest.importorskip("diffusers")
     from tests.integrations.test_diffusers_chroma import tiny_chroma
+    from tests.integrations.test_diffusers_cogvideox import tiny_cogvideox
     from tests.integrations.test_diffusers_flux import tiny_flux
     from tests.integrations.test_diffusers_flux2 import tiny_flux2
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
@@ -85,6 +86,7 @@ def _models() -> dict[str, nn.Module]:
         "chroma": tiny_chroma(),
         "qwen_image": tiny_qwen(),
         "z_image": tiny_z_image(),
+        "cogvideox": tiny_cogvideox(),
         "generic": nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8)),
     }
 

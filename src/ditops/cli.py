@@ -145,7 +145,7 @@ def _bench_suites(args: argparse.Namespace) -> int:
     from ditops.core import tune
 
     names = args.suites or ["wan"]
-    models = ("wan", "flux", "hunyuan_video", "ltx_video", "sglang")
+    models = ("wan", "flux", "hunyuan_video", "ltx_video", "cogvideox", "sglang")
     unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
@@ -196,11 +196,12 @@ def _bench_suites(args: argparse.Namespace) -> int:
 
             payload["flux"] = flux.cli(device, args.size, not args.no_progress)
             continue
-        if name in ("hunyuan_video", "ltx_video"):  # a small video model (needs diffusers)
-            from ditops.bench import hunyuan_video, ltx_video
+        if name in ("hunyuan_video", "ltx_video", "cogvideox"):  # small video models (diffusers)
+            from ditops.bench import cogvideox, hunyuan_video, ltx_video
 
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-            video = hunyuan_video if name == "hunyuan_video" else ltx_video
+            video = {"hunyuan_video": hunyuan_video, "ltx_video": ltx_video,
+                     "cogvideox": cogvideox}[name]  # fmt: skip
             payload[name] = video.cli(device, args.size, not args.no_progress, dtype)
             continue
         suite = get_suite(name)
@@ -350,7 +351,7 @@ def build_parser() -> argparse.ArgumentParser:
         nargs="*",
         help="wan (the default: a small Wan model end to end), flux (a small FLUX model), "
         "hunyuan_video / ltx_video (a small HunyuanVideo / LTX-Video model, sparse "
-        "variants), layer_norm, "
+        "variants), cogvideox (small CogVideoX 1.0 and 1.5 models, sparse variants), layer_norm, "
         "modulation, attention, masks (the mask estimation methods against oracles), "
         "qk_norm_rope, sglang (the Wan model inside sglang's runtime: stock, ditops dense "
         "and sparse; needs sglang's environment)",

@@ -1,8 +1,9 @@
 """A diffusers cache enabled and then disabled leaves its hook registry on each block,
 empty, and the block's own forward bound on the instance: that is not a hook. After
 ``enable_cache(...)`` then ``disable_cache()``, ``ditops.patch`` fuses every block of
-FLUX, Wan and LTX-Video and patches HunyuanVideo (it used to leave every block unfused, and refuse
-HunyuanVideo whole, saying "apply ditops.patch first"), bitwise in exact precision.
+FLUX, Wan, LTX-Video and CogVideoX and patches HunyuanVideo (it used to leave every block
+unfused, and refuse HunyuanVideo whole, saying "apply ditops.patch first"), bitwise in
+exact precision.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 from torch import nn
 
 import ditops
+from tests.integrations import test_diffusers_cogvideox as cv_t
 from tests.integrations import test_diffusers_flux as flux_t
 from tests.integrations import test_diffusers_hunyuan_video as hv_t
 from tests.integrations import test_diffusers_hunyuan_video15 as hv15_t
@@ -39,6 +41,7 @@ FAMILIES: dict[
     "flux": (flux_t.tiny_flux, flux_t.inputs, flux_t.run, 4),
     "hunyuan_video": (hv_t.tiny_hunyuan, hv_t.inputs, hv_t.run, 4),
     "ltx_video": (ltx_t.tiny_ltx, ltx_t.inputs, ltx_t.run, 2),
+    "cogvideox": (cv_t.tiny_cogvideox, lambda: cv_t.inputs(cv_t.tiny_cogvideox()), cv_t.run, 2),
 }
 
 

@@ -1,6 +1,7 @@
 """How a video DiT forward's cost grows with the video, and what sparse attention buys.
 
-``python -m ditops.bench.video_scaling [--family hunyuan_video|wan|ltx_video] [--tokens 8192 16384
+``python -m ditops.bench.video_scaling [--family hunyuan_video|wan|ltx_video|cogvideox] [--tokens
+8192 16384
 32768] [--sparsity 0.75]`` builds a one-block model of the family's geometry and, per video
 length (latent frames of 16 x 24 tokens, the nearest whole number of frames), times
 unpatched and ``exact`` + block-sparse attention in turns: the forward, the attention
@@ -18,6 +19,9 @@ module(s) timed and their share of the forward.
 * ``ltx_video``: a one-block ``LTXVideoTransformer3DModel`` of LTX-Video's geometry (32
   heads of 64, patch 1; frames of 16 x 24 tokens, its 768 x 512 frame), 128 text tokens;
   the module timed is the self-attention ``attn1``.
+* ``cogvideox``: a one-block ``CogVideoXTransformer3DModel`` of CogVideoX-5B's geometry
+  in the 1.0 layout (head dim 64, 4 heads, :mod:`ditops.bench.cogvideox`'s small config),
+  226 text tokens first; the module timed is the joint attention ``attn1``.
 
 Then a **projection, not a measurement**: the unpatched attention time is fitted as
 ``a * N^2`` and the rest as ``b * N`` (least squares over the lengths measured), the
@@ -25,7 +29,9 @@ sparse attention module's speedup is taken from the longest length measured, and
 Amdahl's law gives the forward's speedup at the family's 480p and 720p token counts
 (HunyuanVideo, 129 frames: 33 latent frames of 30 x 53 and of 45 x 80 tokens; Wan, 81
 frames: 21 latent frames of 30 x 52 and of 45 x 80 tokens; LTX-Video, 121 frames: 16
-latent frames of 16 x 24 and of 22 x 38 tokens).
+latent frames of 16 x 24 and of 22 x 38 tokens; CogVideoX-5B at 49 frames of 720 x 480:
+13 latent frames of 30 x 45 tokens, CogVideoX1.5-5B at 81 frames of 1360 x 768: 11 token
+frames of 48 x 85, temporal patch 2).
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from typing import Any
 
 import torch
 
+from ditops.bench import cogvideox as cv
 from ditops.bench import hunyuan_video as hv
 from ditops.bench import ltx_video as ltx
 from ditops.bench import wan, wan_model
@@ -51,6 +58,8 @@ TARGETS = {"480p (848x480)": 33 * 30 * 53, "720p (1280x720)": 33 * 45 * 80}
 WAN_TARGETS = {"480p (832x480)": 21 * 30 * 52, "720p (1280x720)": 21 * 45 * 80}
 #: LTX-Video's tokens at 121 frames (16 latent frames; VAE 32 x 32 x 8, patch 1).
 LTX_TARGETS = {"512p (768x512)": 16 * 16 * 24, "704p (1216x704)": 16 * 22 * 38}
+#: CogVideoX-5B's video tokens at 49 frames, 720x480; CogVideoX1.5-5B's at 81, 1360x768.
+COGVIDEOX_TARGETS = {"1.0 (720x480)": 13 * 30 * 45, "1.5 (1360x768)": 11 * 48 * 85}
 
 
 @dataclass(frozen=True)
@@ -119,6 +128,18 @@ FAMILIES: dict[str, Family] = {
         targets=LTX_TARGETS,
         text_tokens=128,
         frame=(16, 24),  # LTX-Video's 768 x 512 frame: 384 tokens
+    ),
+    "cogvideox": Family(
+        model="CogVideoX-5B geometry (1.0 layout), 1 block",
+        config=lambda o: {**cv.BASE_CONFIG, **cv.SIZES["small"]["config"], **o},
+        build=lambda device, dtype, config: cv.build_model(device, dtype, **config),
+        inputs=lambda config, latent, text, device, dtype: cv.make_inputs(
+            {**config, "max_text_seq_length": text}, latent, device, dtype),
+        attention=lambda model: [b.attn1 for b in model.transformer_blocks],
+        patch=lambda config: (config["patch_size"], config["patch_size"]),
+        default_dtype=hv.default_dtype,
+        targets=COGVIDEOX_TARGETS,
+        text_tokens=226,
     ),
 }  # fmt: skip
 

@@ -23,6 +23,7 @@ from torch import nn
 
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.chroma.family import SPEC as CHROMA
+from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
 from ditops.integrations.flux.family import SPEC as FLUX
 from ditops.integrations.flux2.family import SPEC as FLUX2
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
@@ -63,6 +64,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(CHROMA),
     DeclaredFamily(QWEN_IMAGE),
     DeclaredFamily(Z_IMAGE),
+    DeclaredFamily(COGVIDEOX),
     GenericFamily(),
 )
 SPARSE_MODELS[:] = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]

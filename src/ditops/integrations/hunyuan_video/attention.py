@@ -17,19 +17,13 @@ same: ``qk_norm_rope`` (``convention="diffusers"``) on the video rows, ``rms_nor
 text rows, and diffusers' ``dispatch_attention_fn`` with the mask: in exact precision
 bitwise what the original computes (a norm row does not see the other rows).
 
-Sparse steps (``attention=BlockSparseConfig(...)``) split the attention by queries:
-
-* text queries over every key: dense, with the model's mask (as diffusers does);
-* video queries over ``[valid text keys, video keys]`` block-sparse: per sample, the text
-  keys the mask keeps (padded ones are left out, so they are masked exactly) are put
-  *first*, so that the estimator's leading ``dense_blocks`` cover them as dense columns
-  together with the first frame's keys (``ceil((text + frame) / block) `` blocks: the
-  block that straddles the two, and as many leading query block rows, run dense too: a
-  superset of what is asked, counted in the density). Softmax does not depend on the
-  order of the keys, so this is the meaning of the joint attention with the video part
-  block-sparse. Each sample's mask is kept for reuse under its own branch name. A
-  sample whose left-out text keys or values are not finite (a fully padded sample's text
-  is NaN) runs dense with the mask instead: the meaning takes NaN from them.
+Sparse steps (``attention=BlockSparseConfig(...)``) run the joint attention of
+:mod:`~ditops.integrations.shared.joint_sparse` (text last): text queries dense with
+their rows of the model's mask, video queries block-sparse over the text keys the mask
+keeps (padded ones left out: masked exactly) and the video keys, with the kept text, the
+first frame and, for HunyuanVideo-Framepack, the history and clean latents before the
+generated video as the leading dense blocks; a sample whose padded text is not finite
+runs dense with the mask, as the meaning gives NaN there.
 
 Calls this was not written for (no rotary tables, tables other than ``[L, D]``, a mask
 other than the model's key mask on a sparse step) run the original processor or dense.
@@ -38,7 +32,6 @@ other than the model's key mask on a sparse step) run the original processor or 
 from __future__ import annotations
 
 import functools
-import math
 from typing import Any
 
 import torch
@@ -46,6 +39,7 @@ from torch import nn
 
 from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.joint_sparse import joint_sparse_attention
 from ditops.integrations.shared.ops import Ops
 from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
@@ -260,8 +254,6 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         """Video rows block-sparse over [kept text, video] keys, text rows dense with their
         rows of the model's mask (see the module docstring); ``[B, N, H, D]`` in and out.
         ``keep``: bool ``[B, text]``, the text keys the mask keeps."""
-        from diffusers.models.attention_dispatch import dispatch_attention_fn
-
         assert self.sparse is not None and self.steps is not None
         if self._parallel_config is not None:
             raise NotImplementedError(
@@ -269,47 +261,26 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
                 "supported (diffusers gives HunyuanVideo no context-parallel plan); patch "
                 "with attention=None"
             )
-        batch, n = query.shape[:2]
-        video = n - text
-        text_out = dispatch_attention_fn(
-            query[:, video:], key, value, attn_mask=text_rows_mask, backend=self._attention_backend
+        return joint_sparse_attention(
+            self.sparse,
+            self.steps,
+            query,
+            key,
+            value,
+            text,
+            self._dense_masked,
+            text_first=False,
+            keep=keep,
+            text_rows_mask=text_rows_mask,
+            video_lead=self._leading_video_tokens(query.shape[1] - text),
         )
-        frame = self._leading_video_tokens(video)
-        block = self.sparse.config.block_size
-        poisoned = _padding_not_finite(key, value, keep, video)
-        outs = []
-        for b in range(batch):
-            if poisoned[b]:  # the meaning takes 0 * NaN from them: dense, with the key mask
-                kept = torch.cat([keep.new_ones(video), keep[b]]).view(1, 1, 1, n)
-                outs.append(
-                    dispatch_attention_fn(
-                        query[b : b + 1, :video],
-                        key[b : b + 1],
-                        value[b : b + 1],
-                        attn_mask=kept,
-                        backend=self._attention_backend,
-                    )
-                )
-                continue
-            keys, values = (
-                torch.cat([t[b : b + 1, video:][:, keep[b]], t[b : b + 1, :video]], dim=1)
-                for t in (key, value)
-            )
-            lead = int(keys.shape[1]) - video  # the kept text keys, first
-            dense = math.ceil((lead + frame) / block)  # per call: threads share it
-            branch = self.steps.branch if batch == 1 else f"{self.steps.branch}#{b}"
-            outs.append(
-                self.sparse(
-                    query[b : b + 1, :video],
-                    keys,
-                    values,
-                    layout="BSND",
-                    step=self.steps.current(),
-                    branch=branch,
-                    dense_blocks=dense,
-                )
-            )
-        return torch.cat([torch.cat(outs, dim=0), text_out.to(outs[0].dtype)], dim=1)
+
+    def _dense_masked(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+    ) -> torch.Tensor:
+        from diffusers.models.attention_dispatch import dispatch_attention_fn
+
+        return dispatch_attention_fn(q, k, v, attn_mask=mask, backend=self._attention_backend)
 
     def _leading_video_tokens(self, video: int) -> int:
         """Video rows whose keys run dense on sparse steps: the first generated frame's, and
@@ -336,20 +307,6 @@ class HunyuanVideo15AttnProcessor(HunyuanVideoAttnProcessor):
         "diffusers.models.transformers.transformer_hunyuan_video15",
         "HunyuanVideo15AttnProcessor2_0",
     )
-
-
-def _padding_not_finite(
-    key: torch.Tensor, value: torch.Tensor, keep: torch.Tensor, video: int
-) -> list[bool]:
-    """Per sample: whether a text key the mask leaves out has a non-finite key or value.
-
-    The sparse path leaves those keys out; the meaning (attention with the key mask)
-    multiplies their values by 0 and adds -inf to their scores, which gives NaN from a
-    NaN or an inf (a fully padded sample's text embedding is NaN). One host read per call
-    (the sparse path reads the mask on the host anyway)."""
-    finite = torch.isfinite(key[:, video:]).flatten(2).all(-1)
-    finite &= torch.isfinite(value[:, video:]).flatten(2).all(-1)
-    return [bool(b) for b in (~finite & ~keep).any(-1).tolist()]
 
 
 def _self_attention_mask(text_mask: torch.Tensor, batch: int, n: int) -> torch.Tensor:
