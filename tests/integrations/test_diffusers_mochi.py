@@ -5,9 +5,13 @@ padded text per sample (a sample with no text at all too), the fused CPU paths s
 run and counted per forward; fast precision within tolerance; unpatch restores. Then
 what a patch must survive (deep copies, pickling, patching again, FirstBlockCache in
 both orders, a torch hook on a bypassed norm, torch.compile) and what it must refuse.
+Sparse attention: dense steps bitwise, sparse steps at the block density asked (read
+from the layer), and with every block kept Mochi's attention (padded text left out).
 """
 
 from __future__ import annotations
+
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -211,14 +215,17 @@ def test_a_changed_diffusers_function_is_refused(
     assert type(model.transformer_blocks[0].attn1.processor) is ap.MochiAttnProcessor2_0
 
 
+class MyProcessor(ap.MochiAttnProcessor2_0):
+    pass
+
+
 @pytest.mark.parametrize(
     ("change", "options", "fragment"),
     [
         (
-            lambda m: None,
+            lambda m: setattr(m.transformer_blocks[0].attn1, "processor", MyProcessor()),
             {"attention": BlockSparseConfig(sparsity=0.5)},
-            r"sparse attention is supported for WanTransformer3DModel.*not for "
-            r"MochiTransformer3DModel",
+            r"transformer_blocks\[0\].attn1.processor is a MyProcessor, not MochiAttnProcessor2_0",
         ),
         (
             lambda m: setattr(m.transformer_blocks[1].attn1.norm_k, "eps", 1e-3),
@@ -226,7 +233,7 @@ def test_a_changed_diffusers_function_is_refused(
             r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps",
         ),
     ],
-    ids=["sparse_attention", "qk_eps"],
+    ids=["sparse_with_a_processor_of_yours", "qk_eps"],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
     change, options: dict, fragment: str
@@ -296,3 +303,98 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
     used = check_triton_paths(monkeypatch, tiny_mochi(), inputs(), run, ops, FAST_REL_TOL)
     assert used == PER_FORWARD
+
+
+# --- sparse attention ------------------------------------------------------------------------
+
+#: 8 latent frames of 16 x 16 -> 8 token frames of 8 x 8: 512 video tokens; with 9 text
+#: tokens and the first frame dense, 5 of 33 key blocks (of 16) dense.
+VIDEO = 512
+SPARSE_CFG = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+
+
+def sparse_inputs(dtype: torch.dtype = torch.bfloat16) -> dict:
+    g = torch.Generator().manual_seed(5)
+    x = inputs(dtype)
+    x["hidden_states"] = torch.randn(2, 4, 8, 16, 16, generator=g).to(dtype)
+    return x
+
+
+@pytest.fixture
+def estimates() -> Iterator[list]:
+    from ditops.ops.estimate_block_mask import estimate_block_mask
+
+    calls: list = []
+    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
+    yield calls
+    hook.remove()
+
+
+@pytest.mark.parametrize("norms", [True, False], ids=["fused", "norms_false"])
+def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
+    norms: bool, estimates: list
+) -> None:
+    """As MochiPipeline calls it: guidance batched in ``cache_context("cond_uncond")``
+    without a step index (the step counted from the timesteps); sparse from step 1."""
+    model = tiny_mochi()
+    x = sparse_inputs()
+    later = {**x, "timestep": torch.tensor([400, 400])}
+    ref, ref_later = run(model, **x), run(model, **later)
+    report = ditops.patch(model, precision="exact", norms=norms, attention=SPARSE_CFG)
+    assert report.models[NAME]["sparse self-attentions"] == 2
+    assert model._ditops_steps.patch_size == (1, 2, 2)
+    assert torch.equal(_guided(model, x), ref)  # step 0: dense, bitwise
+    assert estimates == []
+    sparse = _guided(model, later)  # step 1 (its timestep is lower): sparse
+    assert model._ditops_steps.current() == 1
+    assert len(estimates) == 2 * 2  # step 1: every block, every sample
+    key_blocks = -(-(VIDEO + TEXT) // 16)
+    for block in model.transformer_blocks:  # the density the layer reports: the one asked
+        reported = block.attn1.processor.sparse.last_density()
+        assert reported.block_density == pytest.approx(0.5, abs=1 / (32 * key_blocks))
+    # half the blocks dropped: the output's direction within 1e-2 of dense (measured
+    # 1 - 2.7e-3 on this tiny random model); not bitwise
+    cos = torch.nn.functional.cosine_similarity(
+        sparse.float().flatten(), ref_later.float().flatten(), 0
+    )
+    assert not torch.equal(sparse, ref_later)
+    assert cos > 0.99, cos
+    assert torch.equal(_guided(model, x), ref)  # a new pipeline call: dense again
+
+
+def _guided(model: nn.Module, x: dict) -> torch.Tensor:
+    with torch.inference_mode(), model.cache_context("cond_uncond"):
+        return model(**x, return_dict=False)[0]
+
+
+def test_sparse_path_with_every_block_kept_is_mochis_attention(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """fp32, the estimate replaced by one keeping every block: the split by queries, the
+    kept text keys first and the padded ones left out give Mochi's attention (fp32
+    attention's tolerance), padded text made huge so that any use of it would show; the
+    leading dense blocks cover the kept text and the first frame."""
+    from ditops.attention.block_mask import num_blocks
+    from ditops.layers.sparse_attention import BlockSparseAttention
+
+    seen = []
+
+    def keep_all(self, q, k, *, layout, scale, dense_blocks, **_):
+        (b, lq, h, _), lk = q.shape, k.shape[1]
+        seen.append((lq, lk, dense_blocks))
+        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
+        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
+        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
+
+    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
+    model = tiny_mochi(torch.float32)
+    x = sparse_inputs(torch.float32)
+    x["encoder_hidden_states"][1, 5:] *= 1e3  # the second sample's padded text
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
+    with torch.inference_mode(), model.cache_context("cond", step_index=0):
+        out = model(**x, return_dict=False)[0]
+    assert (
+        seen == [(VIDEO, VIDEO + 9, -(-(9 + 64) // 16)), (VIDEO, VIDEO + 5, -(-(5 + 64) // 16))] * 2
+    )
+    assert max_rel_err(out, ref) < 1e-5

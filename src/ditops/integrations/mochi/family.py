@@ -40,7 +40,13 @@ the ``tanh`` gates and the residual adds (a model-dtype add of an already rounde
 term: ``adaln_residual`` would take the fp32 product unrounded), the linears, the
 feed-forwards and attention itself (per-sample SDPA, as the original).
 
-No sparse attention yet: ``attention=`` is refused, naming the families that serve it.
+Sparse steps (``attention=BlockSparseConfig(...)``) split Mochi's attention by queries
+(:func:`~ditops.integrations.shared.joint_sparse.joint_sparse_attention`, text last):
+text queries dense over every kept key, as Mochi; video queries block-sparse over
+``[the sample's kept text keys, video keys]``, the text and the first latent frame's keys
+in the leading dense blocks (counted in the density, so the density asked is the
+density run). Padded text is left out exactly as Mochi leaves it out (never a key; its
+rows' output zero). Dense steps are bitwise the unpatched model (exact precision).
 A model whose forwards, processors or reproduced diffusers functions differ from the
 versions checked is refused whole (fingerprints); a block with a norm of another kind
 runs diffusers' forward; a processor of another class is kept.
@@ -67,6 +73,7 @@ from ditops.integrations.shared.family import (
     FamilySpec,
     Fused,
     Relied,
+    Sparse,
 )
 
 
@@ -148,10 +155,16 @@ def _prologue(attn: nn.Module, where: str) -> list[str]:
     return problems
 
 
+def _patch_size(model: nn.Module) -> tuple[int, int, int] | None:
+    """Mochi patches each latent frame alone: ``(1, p, p)``."""
+    p = getattr(getattr(model, "config", None), "patch_size", None)
+    return (1, p, p) if isinstance(p, int) else None
+
+
 SPEC = FamilySpec(
     name="mochi",
     model_classes=("MochiTransformer3DModel",),
-    summary="fused RMSNorms and attention prologue",
+    summary="fused RMSNorms and attention prologue, optional block-sparse video self-attention",
     blocks=(
         Blocks(
             ("transformer_blocks",),
@@ -168,5 +181,6 @@ SPEC = FamilySpec(
         {"7b0451db98ed6158": DIFFUSERS_042},
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
+    sparse=Sparse(_patch_size),
     relied_on=_relied_on,
 )  # fmt: skip

@@ -15,7 +15,10 @@ from torch import nn
 
 from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.joint_sparse import joint_sparse_attention
 from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.steps import StepState, runs_dense
+from ditops.tracing import refuse_under_fullgraph, traced
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`); the
 #: context ones the last block (``context_pre_only``) lacks are not watched there.
@@ -98,21 +101,30 @@ def block_forward(
     return hidden_states, encoder_hidden_states
 
 
-def mochi_tables(rope: Any, query: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """MochiRoPE's ``[L, H, D/2]`` tables as ``qk_norm_rope`` takes them with the heads as
-    its batch (``[H, L, 1, D/2]``, fp32), or None where the op would not compute what
-    Mochi's rotation does (no tables, another shape, fp64: Mochi then rotates in fp64)."""
+def mochi_tables(
+    rope: Any, tokens: int, heads: int, head_dim: int
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """MochiRoPE's ``(cos, sin)``, ``[L, H, D/2]`` each, or None where ditops would not
+    rotate as Mochi does: no tables, another shape, fp64 (Mochi then rotates in fp64;
+    bf16/fp16 tables it widens to fp32, as ditops does)."""
     if rope is None or len(rope) != 2:
         return None
     cos, sin = rope
-    _, L, H, D = query.shape
-    if tuple(cos.shape) != (L, H, D // 2) or tuple(sin.shape) != (L, H, D // 2):
+    shape = (tokens, heads, head_dim // 2)
+    if tuple(cos.shape) != shape or tuple(sin.shape) != shape or sin.dtype != cos.dtype:
         return None
-    if cos.dtype not in (torch.float32, torch.bfloat16, torch.float16) or sin.dtype != cos.dtype:
+    if cos.dtype not in (torch.float32, torch.bfloat16, torch.float16):
         return None
-    return tuple(  # type: ignore[return-value]
-        t.to(query.device, torch.float32).permute(1, 0, 2).unsqueeze(2) for t in (cos, sin)
-    )
+    return cos, sin
+
+
+def mochi_rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Mochi's rotation (its processor's inner ``apply_rotary_emb``): interleaved pairs
+    turned in fp32, each member rounded once. The prologue without ditops' ops."""
+    x1, x2 = x[..., 0::2].float(), x[..., 1::2].float()
+    out1 = (x1 * cos - x2 * sin).to(x.dtype)
+    out2 = (x1 * sin + x2 * cos).to(x.dtype)
+    return torch.stack([out1, out2], dim=-1).flatten(-2)
 
 
 def _qk_bypass() -> Bypass:
@@ -123,10 +135,11 @@ def _qk_bypass() -> Bypass:
 
 class FusedMochiAttnProcessor(WrappingProcessor):
     """diffusers' ``MochiAttnProcessor2_0`` (joint video + text attention, text last, each
-    sample's padded text left out) with the q/k prologue on ditops' ops: the video
-    tokens' RMSNorm and rotation on ``qk_norm_rope``, the text tokens' RMSNorm on
-    ``rms_norm``; the rest is Mochi's code path. Calls without Mochi's rotary tables run
-    the original."""
+    sample's padded text left out) with the q/k prologue on ditops' ops (``ops``; None:
+    Mochi's own norms and rotation) and optional block-sparse attention (``sparse``, with
+    the model's ``steps``): the video tokens' RMSNorm and rotation on ``qk_norm_rope``,
+    the text tokens' RMSNorm on ``rms_norm``; dense steps attend as Mochi does. Calls
+    without Mochi's rotary tables run the original processor."""
 
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.attention_processor", "MochiAttnProcessor2_0")
@@ -135,15 +148,17 @@ class FusedMochiAttnProcessor(WrappingProcessor):
         self,
         original: Any | None = None,
         ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
+        steps: StepState | None = None,
+        sparse: nn.Module | None = None,
     ) -> None:
+        if sparse is not None and steps is None:
+            raise ValueError("FusedMochiAttnProcessor: sparse attention needs the step state")
         if original is None:  # built as diffusers' loaders build processors: type(p)()
             original = self.original_processor()
-        if sparse is not None:
-            raise ValueError("FusedMochiAttnProcessor: no sparse attention for Mochi yet")
         super().__init__(original)
         self.ops = ops
+        self.steps = steps
+        self.sparse = sparse
 
     def __call__(
         self,
@@ -153,40 +168,94 @@ class FusedMochiAttnProcessor(WrappingProcessor):
         attention_mask: torch.Tensor,
         image_rotary_emb: Any = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.ops is None or float64_call(hidden_states) or _qk_bypass().problem(attn):
+        if self.sparse is not None and traced():
+            refuse_under_fullgraph(
+                "ditops: Mochi's sparse attention cannot compile with fullgraph=True: it "
+                "reads each sample's text mask on the host (as Mochi's own attention does)"
+            )
+        dense = runs_dense(self.sparse, self.steps)
+        ops = None if self.ops is None or _qk_bypass().problem(attn) else self.ops
+        tables = mochi_tables(image_rotary_emb, hidden_states.shape[1], attn.heads,
+                              attn.inner_dim // attn.heads)  # fmt: skip
+        if float64_call(hidden_states) or tables is None or (dense and ops is None):
             return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
                                  image_rotary_emb)  # fmt: skip
-        query, key, value = (
-            f(hidden_states).unflatten(2, (attn.heads, -1))
-            for f in (attn.to_q, attn.to_k, attn.to_v)
+        query, key, value = _heads(attn, hidden_states, attn.to_q, attn.to_k, attn.to_v)
+        e_query, e_key, e_value = _heads(
+            attn, encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj
         )
-        tables = mochi_tables(image_rotary_emb, query)
-        if tables is None:
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 image_rotary_emb)  # fmt: skip
-        nq, nk = attn.norm_q, attn.norm_k
-        # heads as the op's batch: the tables are per head, the norm per row
-        query, key = (
-            t.permute(2, 1, 0, 3)
-            for t in self.ops.qk(query.permute(2, 1, 0, 3), key.permute(2, 1, 0, 3),
-                                 nq.weight, nk.weight, *tables, nq.eps)
-        )  # fmt: skip
-        e_query, e_key, e_value = (
-            f(encoder_hidden_states).unflatten(2, (attn.heads, -1))
-            for f in (attn.add_q_proj, attn.add_k_proj, attn.add_v_proj)
-        )
-        rms, nq, nk = self.ops.rms, attn.norm_added_q, attn.norm_added_k
-        e_query, e_key = rms(e_query, nq.weight, nq.eps), rms(e_key, nk.weight, nk.eps)
-        hidden_states = per_sample_attention(
-            query, key, value, e_query, e_key, e_value, attention_mask
-        )
-        hidden_states, encoder_hidden_states = hidden_states.split_with_sizes(
-            (query.shape[1], e_query.shape[1]), dim=1
-        )
+        query, key, e_query, e_key = _prologue(ops, attn, query, key, e_query, e_key, tables)
+        video, text = query.shape[1], e_query.shape[1]
+        keep = _text_kept(attention_mask, query.shape[0], text)
+        if dense or keep is None:
+            out = per_sample_attention(query, key, value, e_query, e_key, e_value, attention_mask)
+        else:
+            assert self.sparse is not None and self.steps is not None
+            q, k, v = (
+                torch.cat(p, dim=1) for p in ((query, e_query), (key, e_key), (value, e_value))
+            )
+            rows = torch.cat([keep.new_ones(keep.shape[0], video), keep], dim=1)[:, None, None]
+            out = joint_sparse_attention(self.sparse, self.steps, q, k, v, text,
+                                         _attend_kept, text_first=False, keep=keep,
+                                         text_rows_mask=rows)  # fmt: skip
+            # Mochi's padded text rows attend to nothing: their output is zero
+            t_out = torch.where(keep[:, :, None, None], out[:, video:], 0)
+            out = torch.cat([out[:, :video], t_out], dim=1).flatten(2, 3)
+        hidden_states, encoder_hidden_states = out.split_with_sizes((video, text), dim=1)
         hidden_states = attn.to_out[1](attn.to_out[0](hidden_states))
         if hasattr(attn, "to_add_out"):
             encoder_hidden_states = attn.to_add_out(encoder_hidden_states)
         return hidden_states, encoder_hidden_states
+
+
+def _heads(attn: nn.Module, x: torch.Tensor, *projections: nn.Module) -> tuple[torch.Tensor, ...]:
+    return tuple(f(x).unflatten(2, (attn.heads, -1)) for f in projections)
+
+
+def _prologue(
+    ops: Ops | None,
+    attn: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    e_query: torch.Tensor,
+    e_key: torch.Tensor,
+    tables: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[torch.Tensor, ...]:
+    """The video q/k normed and rotated, the text q/k normed: on ditops' ops, or (``ops``
+    None: a sparse step without the fused prologue) Mochi's own modules."""  # fmt: skip
+    nq, nk, tq, tk = (getattr(attn, name) for name in QK_NORMS)
+    if ops is None:
+        q, k = (mochi_rotate(n(t), *tables) for n, t in ((nq, query), (nk, key)))
+        return q, k, tq(e_query), tk(e_key)
+    # the heads as the op's batch: Mochi's tables are per head ([H, L, 1, D/2]), the
+    # norm per row; rotation in fp32 as Mochi's (bf16/fp16 tables widened exactly)
+    cos, sin = (t.to(query.device, torch.float32).permute(1, 0, 2).unsqueeze(2) for t in tables)
+    q, k = ops.qk(query.permute(2, 1, 0, 3), key.permute(2, 1, 0, 3), nq.weight, nk.weight,
+                  cos, sin, nq.eps)  # fmt: skip
+    e_query, e_key = ops.rms(e_query, tq.weight, tq.eps), ops.rms(e_key, tk.weight, tk.eps)
+    return q.permute(2, 1, 0, 3), k.permute(2, 1, 0, 3), e_query, e_key
+
+
+def _text_kept(mask: Any, batch: int, text: int) -> torch.Tensor | None:
+    """The text tokens Mochi keeps (its mask's nonzero entries), bool ``[B, text]``, or
+    None for a mask of another shape (then the attention runs as Mochi's, dense)."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (batch, text):
+        return None
+    return mask != 0
+
+
+def _attend_kept(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kept: torch.Tensor | None
+) -> torch.Tensor:
+    """Dense attention as Mochi's: per sample, SDPA over the keys ``kept`` keeps (bool
+    ``[B, 1, 1, N]``; None: all), the others left out, not masked. ``[B, S, H, D]``."""
+    outs = []
+    for b in range(q.shape[0]):
+        cols = slice(None) if kept is None else kept[b].flatten()
+        qb, kb, vb = (t[b : b + 1].transpose(1, 2) for t in (q, k[:, cols], v[:, cols]))
+        out = F.scaled_dot_product_attention(qb, kb, vb, dropout_p=0.0, is_causal=False)
+        outs.append(out.transpose(1, 2))
+    return torch.cat(outs, dim=0)
 
 
 def per_sample_attention(
