@@ -11,6 +11,8 @@ from the layer), and with every block kept Mochi's attention (padded text left o
 
 from __future__ import annotations
 
+import copy
+import pickle
 from collections.abc import Iterator
 
 import pytest
@@ -398,3 +400,32 @@ def test_sparse_path_with_every_block_kept_is_mochis_attention(
         seen == [(VIDEO, VIDEO + 9, -(-(9 + 64) // 16)), (VIDEO, VIDEO + 5, -(-(5 + 64) // 16))] * 2
     )
     assert max_rel_err(out, ref) < 1e-5
+
+
+def test_a_sparse_patched_models_copies_keep_their_own_steps() -> None:
+    """Deep copy and pickle of a sparse-patched model: each copy counts its own steps and
+    runs the same sparse step as the original."""
+    model = tiny_mochi()
+    x = sparse_inputs()
+    later = {**x, "timestep": torch.tensor([400, 400])}
+    ditops.patch(model, precision="exact", attention=SPARSE_CFG)
+    twin = copy.deepcopy(model)
+    loaded = pickle.loads(pickle.dumps(model))
+    outs = [[_guided(m, x), _guided(m, later)] for m in (model, twin, loaded)]
+    for m in (twin, loaded):
+        assert m._ditops_steps is not model._ditops_steps
+        assert m.transformer_blocks[0].attn1.processor.steps is m._ditops_steps
+    assert all(torch.equal(a, b) for other in outs[1:] for a, b in zip(outs[0], other))
+
+
+@pytest.mark.slow
+@pytest.mark.usefixtures("fresh_process")
+def test_sparse_attention_refuses_a_fullgraph_compile() -> None:
+    """Mochi's attention reads each sample's text mask on the host: ditops says so,
+    naming the option, rather than dynamo's own graph-break error."""
+    model = tiny_mochi()
+    ditops.patch(model, attention=SPARSE_CFG)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    with pytest.raises(Exception, match="Mochi's sparse attention cannot compile with fullgraph"):
+        with torch.inference_mode(), compiled.cache_context("cond", step_index=1):
+            compiled(**inputs(), return_dict=False)
