@@ -42,14 +42,15 @@ feed-forwards and attention itself (per-sample SDPA, as the original).
 
 Sparse steps (``attention=BlockSparseConfig(...)``) split Mochi's attention by queries
 (:func:`~ditops.integrations.shared.joint_sparse.joint_sparse_attention`, text last):
-text queries dense over every kept key, as Mochi; video queries block-sparse over
-``[the sample's kept text keys, video keys]``, the text and the first latent frame's keys
-in the leading dense blocks (counted in the density, so the density asked is the
-density run). Padded text is left out exactly as Mochi leaves it out (never a key; its
-rows' output zero). Dense steps are bitwise the unpatched model (exact precision).
-A model whose forwards, processors or reproduced diffusers functions differ from the
-versions checked is refused whole (fingerprints); a block with a norm of another kind
-runs diffusers' forward; a processor of another class is kept.
+text queries dense over every kept key, as Mochi; video queries block-sparse over ``[the
+sample's kept text keys, video keys]``, the text and the first latent frame's keys in
+the leading dense blocks (counted in the density, so the density asked is the density
+run). Padded text is left out exactly as Mochi leaves it out (never a key; its rows'
+output zero). Dense steps are bitwise the unpatched model (exact precision); with
+``norms=False`` sparse steps run Mochi's own q/k norms and rotation. A model whose
+forwards, processors or reproduced diffusers functions differ from the versions checked
+is refused whole (fingerprints); a block with a norm of another kind runs diffusers'
+forward; a processor of another class is kept (with sparse attention: refused).
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """The fused forwards of a patched Mochi model: ``MochiTransformerBlock`` with its
 modulated RMSNorms on ditops' ``rms_norm`` (the rest of each expression as Mochi writes
 it), and :class:`FusedMochiAttnProcessor`, Mochi's joint attention with the q/k prologue
-on ``qk_norm_rope`` / ``rms_norm``. The arithmetic they reproduce is written out in
-:mod:`ditops.integrations.mochi.family`, which checks a model and installs these.
+on ``qk_norm_rope`` / ``rms_norm`` and optional block-sparse attention. The arithmetic
+they reproduce is written out in :mod:`ditops.integrations.mochi.family`, which checks a
+model and installs these.
 """
 
 from __future__ import annotations
