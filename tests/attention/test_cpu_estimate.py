@@ -1,5 +1,6 @@
 """The estimate's CPU path: fp32 block scores for bf16/fp16 q and k on CPUs without
-AVX-512 (where their matmuls are a slow fallback), the meaning's selection after them.
+AVX-512 (where their matmuls are a slow fallback), and the sampled methods' scores by
+fp32 matmul and softmax on CPUs without AMX; the meaning's selection after them.
 Masks agree with ``forward_native`` except at near-ties (tests/attention/estimate_ties.py,
 the criterion the Triton estimate is held to)."""
 
@@ -11,7 +12,9 @@ import torch
 from ditops import config
 from ditops.attention.block_mask import row_counts
 from ditops.attention.estimate import block_scores
+from ditops.attention.methods import sampled_block_scores
 from ditops.custom_op import reset_state
+from ditops.ops import estimate_block_mask as estimate_op
 from ditops.ops.estimate_block_mask import estimate_block_mask
 from tests.attention.estimate_ties import ATOL, near_tie_violations, rtol
 
@@ -83,3 +86,43 @@ def test_nan_spreads_as_in_the_meaning(no_avx512) -> None:
         with config.override(custom_ops="-estimate_block_mask"):
             want = estimate_block_mask(q, k, keep_ratio=0.3, **SMALL)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.fixture
+def avx512_no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The AVX-512 EPYC the sampled scores' fp32 form was measured on (no AMX)."""
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(estimate_op, "amx_tiles", lambda: False)
+    reset_state()
+    yield
+    reset_state()
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_sampled_scores_in_fp32_on_cpus_without_amx(avx512_no_amx, dtype, causal) -> None:
+    opts = {"keep_ratio": 0.3, "threshold": 1.0, "keep_sink": True, "keep_recent": True,
+            "causal": causal, "dense_blocks": 1, "method": "sampled", "samples": 3}  # fmt: skip
+    q, k = qk(dtype)
+    with torch.inference_mode(), config.override(strict=True):
+        assert estimate_block_mask.op.explain_call(q, k, **opts, **SMALL).chosen == "forward_cpu"
+        mask, counts = estimate_block_mask(q, k, **opts, **SMALL)
+        with config.override(custom_ops="-estimate_block_mask"):
+            want, _ = estimate_block_mask(q, k, **opts, **SMALL)
+    assert mask.dtype == torch.int8 and torch.equal(counts, row_counts(mask))
+    scores = sampled_block_scores(
+        q.double(), k.double(), block_size=32, samples=3, scale=16**-0.5, causal=causal
+    ).float()
+    assert near_tie_violations(mask, want, scores, (rtol(dtype, 1), ATOL), **opts) == []
+    assert int((mask != want).sum()) <= 0.01 * mask.numel()
+
+
+def test_amx_cpus_keep_the_flash_kernel_for_sampled_scores(monkeypatch) -> None:
+    monkeypatch.setattr(torch.backends.cpu, "get_cpu_capability", lambda: "AVX512")
+    monkeypatch.setattr(estimate_op, "amx_tiles", lambda: True)
+    reset_state()
+    q, k = qk(torch.bfloat16)
+    with torch.inference_mode():
+        explained = estimate_block_mask.op.explain_call(q, k, method="sampled", **SMALL)
+    reset_state()
+    assert explained.chosen == "forward_native" and "AMX tiles" in str(explained)

@@ -6,8 +6,14 @@ import pytest
 import torch
 
 from ditops import config
+from ditops.attention import methods
 from ditops.attention.estimate import estimate_block_mask_reference
-from ditops.attention.methods import METHODS, sample_rows, sampled_block_scores
+from ditops.attention.methods import (
+    METHODS,
+    sample_rows,
+    sampled_block_scores,
+    sampled_block_scores_fp32,
+)
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.attention.selection import block_budget, forced_block_mask
 from ditops.bench.video_attention import exact_block_mass, video_attention
@@ -180,3 +186,19 @@ def test_nan_scores_are_never_kept() -> None:
     forced = forced_block_mask(10, 10, dense_blocks=1, **FLAGS)
     assert torch.equal(mask[0, 1, 3].bool(), forced[3])
     assert not torch.equal(mask[0, 0, 3].bool(), forced[3])
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp32_sampled_scores_are_the_sampled_scores_in_fp32(monkeypatch, dtype, causal) -> None:
+    q, k = qk(heads=4, seq=300)  # a partial last block of 12 keys
+    q, k2 = q.to(dtype), k[:, ::2].to(dtype)  # GQA: 2 key heads
+    opts = {"block_size": 32, "samples": 3, "scale": 0.3, "causal": causal}
+    want = sampled_block_scores(q.double(), k2.double(), **opts).float()
+    torch.testing.assert_close(sampled_block_scores_fp32(q, k2, **opts), want)
+    monkeypatch.setattr(methods, "FP32_CHUNK_ELEMENTS", 1000)  # chunks of heads and rows
+    torch.testing.assert_close(sampled_block_scores_fp32(q, k2, **opts), want)
+    if not causal:  # every row of whole blocks sampled: the exact block mass
+        q, k = qk(heads=4, seq=320)
+        full = sampled_block_scores_fp32(q, k, **{**opts, "samples": 32, "scale": 24**-0.5})
+        torch.testing.assert_close(full, exact_block_mass(q, k, block_size=32))

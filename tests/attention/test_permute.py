@@ -190,3 +190,23 @@ def test_each_head_keeps_the_order_that_serves_it() -> None:
     warm = cluster_permutation(lq, lk, block_size=64, previous=lchosen)
     assert warm.clustered is lchosen.clustered
     assert torch.equal(warm.q_order[0, 3], torch.arange(lq.shape[2]))
+
+
+def test_a_warm_step_gathers_q_k_and_v_once_each(monkeypatch) -> None:
+    """The estimate and the attention share the permuted q and k (each is a copy of the
+    whole tensor: a second gather would cost as much as the first)."""
+    q, k, v, _ = _scattered()
+    layer = _layer(sparsity=0.5)
+    layer(q, k, v, step=0)
+    gathered = []
+    real = TokenPermutation._gather
+    monkeypatch.setattr(
+        TokenPermutation, "_gather", staticmethod(lambda x, o: gathered.append(x) or real(x, o))
+    )
+    out = layer(q, k, v, step=1)  # warm: no order choice, which gathers for its own test
+    assert [id(x) for x in gathered] == [id(q), id(k), id(v)]
+    perm, (mask, _, _) = layer._last_permutation, layer._last_run
+    qp, kp, vp = perm.permute_q(q), perm.permute_kv(k), perm.permute_kv(v)
+    counts = mask.sum(-1, dtype=torch.int32)
+    assert torch.equal(out, perm.unpermute(block_sparse_attention(qp, kp, vp, mask, counts,
+                                                                  block_size=64)))  # fmt: skip

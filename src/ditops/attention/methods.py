@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
+from ditops.attention.layout import plan_chunks
 from ditops.core.checks import as_int
 
 #: method name -> (scores, allocation).
@@ -52,6 +53,9 @@ OP_DEFAULT_METHOD = "antidiagonal"
 DEFAULT_METHOD = "sampled"
 #: Query rows per block the sampled scores read by default.
 DEFAULT_SAMPLES = 4
+#: fp32 scores :func:`sampled_block_scores_fp32` holds at once (8 MiB: one head's 256
+#: sampled rows at 8k keys); two heads at once ran 1.4x slower on a 2-core EPYC.
+FP32_CHUNK_ELEMENTS = 1 << 21
 
 
 def check_method(
@@ -101,9 +105,11 @@ def sampled_block_scores(
 
     Computed as attention: the sampled rows attend to every key with, as values, the
     one-hot key-block indicator, so the output row *is* the mass per key block (SDPA:
-    its flash kernels run it at their speed per score, several times faster on CPU than
-    matmul + exp + sums; the one-hot values go ``D`` columns per call, padded to ``D``
-    so the flash kernel serves them, and on CPU are not copied per head). In
+    its flash kernels run it at their speed per score: on GPUs, and on CPUs with AMX,
+    where it was measured faster than matmul + exp + sums; without AMX the estimate's
+    CPU path runs :func:`sampled_block_scores_fp32` instead. The one-hot values go ``D``
+    columns per call, padded to ``D`` so the flash kernel serves them, and on CPU are
+    not copied per head). In
     ``compute_dtype`` (default q's); bf16/fp16 outputs round each mass to the dtype.
     Under ``causal`` a query block's candidates are the key blocks up to its own (block
     level, as the selection's).
@@ -131,6 +137,69 @@ def sampled_block_scores(
         mass = mass[..., : c1 - c0].float().reshape(batch, heads, q_blocks, samples, c1 - c0)
         out[..., c0:c1] = mass.sum(3)
     return out
+
+
+def sampled_block_scores_fp32(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    *,
+    block_size: int,
+    samples: int,
+    scale: float,
+    causal: bool,
+) -> torch.Tensor:
+    """:func:`sampled_block_scores` computed in fp32 as a matmul and a softmax, one head
+    and a chunk of its sampled rows at a time (at most :data:`FP32_CHUNK_ELEMENTS`
+    scores): the mass each block's sampled rows give each key block, exact to fp32
+    rounding whatever q's dtype (no rounding of scores or masses to it).
+
+    The estimate's CPU path (:mod:`ditops.ops.estimate_block_mask`) on CPUs without
+    AMX. On a 2-core AVX-512 EPYC at [1, 12, 8192, 128] bf16 and 4 samples
+    (``benchmarks/cpu/probes/permute_cost.txt``) it took 0.62-0.67x the time of the
+    flash-kernel form on one thread (the flash kernel splits 256 query rows into
+    64-row tiles of bf16 work without AMX, and multiplies the one-hot values too), and
+    0.71x on two threads with the cores to themselves; with another process on a
+    core, two threads ran it slower than the flash kernel (its many short parallel
+    regions wait for a descheduled thread; the flash kernel is one).
+    """
+    batch, heads, q_len, _ = (int(s) for s in q.shape)
+    kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
+    group = heads // kv_heads
+    q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
+    rows = sample_rows(q_len, block_size, samples).to(q.device)
+    n_rows, full = int(rows.numel()), kv_len // block_size
+    qs = q.index_select(2, rows).float() * scale  # [B, N, R, D]: the scale in fp32, once
+    allowed = None
+    if causal:
+        col_block = torch.arange(kv_len, device=q.device) // block_size
+        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+    out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
+    # One head at a time, 2-D matmuls: ATen splits a batched matmul of a batch of one
+    # over its batch, one thread. Scores and probabilities go to two buffers made once
+    # (fresh 8 MiB tensors per head cost their page faults: 0.9x the time without them).
+    _, row_chunk = plan_chunks(1, n_rows, kv_len, samples, FP32_CHUNK_ELEMENTS)
+    buffers = torch.empty(2, min(row_chunk, n_rows), kv_len, device=q.device)
+    for b in range(batch):
+        kt = None
+        for h in range(heads):
+            if h % group == 0:  # each key head converted once, for its group of query heads
+                kt = k[b, h // group].float().T  # [D, Skv]
+            for r0 in range(0, n_rows, row_chunk):
+                r1 = min(n_rows, r0 + row_chunk)
+                scores, probs = buffers[0, : r1 - r0], buffers[1, : r1 - r0]
+                torch.mm(qs[b, h, r0:r1], kt, out=scores)
+                torch.softmax(_masked(scores, allowed, r0, r1), -1, out=probs)
+                mass = probs[:, : full * block_size].unflatten(-1, (full, block_size)).sum(-1)
+                if full < kv_blocks:  # a partial last key block
+                    rest = probs[:, full * block_size :].sum(-1, keepdim=True)
+                    mass = torch.cat([mass, rest], -1)
+                blocks = mass.unflatten(0, ((r1 - r0) // samples, samples)).sum(1)
+                out[b, h, r0 // samples : r1 // samples] = blocks
+    return out
+
+
+def _masked(scores: torch.Tensor, allowed: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:
+    return scores if allowed is None else scores.masked_fill_(~allowed[r0:r1], float("-inf"))
 
 
 def select_per_head(

@@ -253,13 +253,13 @@ class BlockSparseAttention(nn.Module):
             )
         else:
             kept_or_new = _eager_kept_or_new_mask()
-            entry = kept_or_new(
+            entry, permuted = kept_or_new(
                 self, qb, kb, layout="BNSD", scale=scale, step=step, branch=branch,
                 dense_blocks=dense_blocks,
             )  # fmt: skip
             mask, counts, perm = entry.mask, entry.counts, entry.perm
             assert perm is not None
-            qp, kp = perm.permute_q(qb), perm.permute_kv(kb)
+            qp, kp = permuted or (perm.permute_q(qb), perm.permute_kv(kb))
         self._remember_run(mask, q, k, layout)
         if not traced():
             self._last_permutation = perm
@@ -313,7 +313,7 @@ class BlockSparseAttention(nn.Module):
         if self.config.estimate_every == 1 or step is None:
             return self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
         kept_or_new = _eager_kept_or_new_mask()
-        entry = kept_or_new(
+        entry, _ = kept_or_new(
             self,
             q,
             k,
@@ -335,7 +335,9 @@ class BlockSparseAttention(nn.Module):
         step: int,
         branch: str | None,
         dense_blocks: int,
-    ) -> _CachedMask:
+    ) -> tuple[_CachedMask, tuple[torch.Tensor, torch.Tensor] | None]:
+        """The branch's mask, reused or estimated; when estimated in the permuted mode,
+        also the permuted q and k it was estimated on (the attention reuses them)."""
         every = self.config.estimate_every
         key = (tuple(q.shape), tuple(k.shape), layout, scale, q.device, dense_blocks, self.config)
         masks = self._thread_masks()
@@ -347,19 +349,19 @@ class BlockSparseAttention(nn.Module):
         ):
             entry.last_step = step
             masks.move_to_end(branch)
-            return entry
+            return entry, None
         masks.pop(branch, None)  # the old mask goes before the new one is made
-        perm = None
+        perm, permuted = None, None
         if self.config.permute:  # q, k are BNSD here; last step's centroids warm-start
             warm = entry is not None and entry.key == key and entry.last_step < step
             previous = entry.perm if warm and entry is not None else None
             perm = self._permutation(q, k, dense_blocks, previous, scale)
-            q, k = perm.permute_q(q), perm.permute_kv(k)
+            q, k = permuted = perm.permute_q(q), perm.permute_kv(k)
         mask, counts = self._estimate(q, k, layout=layout, scale=scale, dense_blocks=dense_blocks)
         entry = masks[branch] = _CachedMask(key, mask, counts, step, step, perm)
         while len(masks) > MAX_MASK_BRANCHES:
             masks.popitem(last=False)
-        return entry
+        return entry, permuted
 
     def _thread_masks(self) -> OrderedDict[str | None, _CachedMask]:
         """The calling thread's masks: threads sharing a model each run their own

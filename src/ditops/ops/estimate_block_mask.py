@@ -4,8 +4,10 @@ Meaning (``forward_native``): the XAttention-style estimate of
 :func:`ditops.attention.estimate.estimate_block_mask_reference`; the selection settings
 travel as one :class:`ditops.attention.selection.BlockSelection`.
 
-Paths: ``cpu`` (bf16/fp16 on CPUs without AVX-512: the meaning's scores from fp32
-copies); ``cuda``/``hip``/``xpu`` through a Triton kernel for the block scores
+Paths: ``cpu`` (bf16/fp16: on CPUs without AVX-512, the meaning's scores from fp32
+copies; the sampled methods' scores in fp32 by matmul and softmax on any CPU without
+AMX, :func:`ditops.attention.methods.sampled_block_scores_fp32`);
+``cuda``/``hip``/``xpu`` through a Triton kernel for the block scores
 (:mod:`ditops.kernels.triton.estimate`) followed by the native selection
 (:func:`ditops.attention.estimate.mask_from_scores`); ``npu`` through sgl-kernel-npu's
 ``sparse_block_estimate`` followed by the same first-frame forcing and count
@@ -25,8 +27,13 @@ import torch
 from ditops.attention.estimate import block_scores as native_block_scores
 from ditops.attention.estimate import estimate_block_mask_reference, mask_from_scores
 from ditops.attention.layout import to_bnsd
-from ditops.attention.methods import DEFAULT_SAMPLES, OP_DEFAULT_METHOD, sampled_block_scores
+from ditops.attention.methods import (
+    DEFAULT_SAMPLES,
+    OP_DEFAULT_METHOD,
+    sampled_block_scores_fp32,
+)
 from ditops.attention.selection import BlockSelection, mask_without_scores
+from ditops.backends.inductor_cpu import amx_tiles
 from ditops.backends.triton import TRITON
 from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_int
@@ -67,6 +74,13 @@ class EstimateCall(OpCall):
 
 
 def cpu_estimate_reasons(c: EstimateCall) -> list[str]:
+    if c.sel.scoring == "sampled":
+        if amx_tiles():
+            return [
+                "this CPU has AMX tiles: the meaning's bf16/fp16 flash attention serves "
+                "the sampled scores (the fp32 matmul form was measured faster without AMX)"
+            ]
+        return []
     if cpu_half_matmuls_slow() is None:
         return [
             "this CPU (AVX-512 or better) multiplies bf16/fp16 natively: the "
@@ -184,17 +198,22 @@ class EstimateBlockMask(CustomOp):
 
     @path(dtypes=HALF, inference_only=True, reasons=cpu_estimate_reasons)
     def forward_cpu(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
-        """The meaning's block scores computed from fp32 copies of q and k, then its
-        selection: for CPUs without AVX-512, whose bf16/fp16 matmuls take a fallback
-        several times slower than fp32 (measured in benchmarks/cpu/probes/estimate_cost.py).
-        Scores differ from the meaning's by its roundings (of q * scale, the scores and
-        the probabilities to q's dtype): masks agree except at near-ties, as the Triton
-        estimate's do. Both methods' scores (antidiagonal, sampled)."""
+        """The meaning's block scores computed in fp32, then its selection. Antidiagonal
+        scores from fp32 copies of q and k, for CPUs without AVX-512, whose bf16/fp16
+        matmuls take a fallback several times slower than fp32 (measured in
+        benchmarks/cpu/probes/estimate_cost.py). Sampled scores by fp32 matmul and softmax
+        (:func:`ditops.attention.methods.sampled_block_scores_fp32`) on any CPU without
+        AMX: exact to fp32, and on an AVX-512 EPYC 0.62-0.67x the time of the meaning's
+        bf16 flash attention on one thread, 0.71x on two (slower on two sharing their
+        cores with another process; benchmarks/cpu/probes/permute_cost.txt). Scores
+        differ from the meaning's by its roundings (of q * scale, the scores and the
+        probabilities or masses to q's dtype): masks agree except at near-ties, as the
+        Triton estimate's do."""
         sel = c.sel
         if sel.scoring == "sampled":  # converts the sampled rows and each head's keys only
-            scores = sampled_block_scores(
+            scores = sampled_block_scores_fp32(
                 c.qb, c.kb, block_size=c.block_size, samples=sel.samples, causal=sel.causal,
-                scale=c.score_scale() * c.stride, compute_dtype=torch.float32,
+                scale=c.score_scale() * c.stride,
             )  # fmt: skip
         else:
             scores = native_block_scores(

@@ -145,6 +145,14 @@ def _patch_size(model: nn.Module) -> tuple[int, int, int] | None:
     return (getattr(config, "patch_size_t", None) or 1, p, p)
 
 
+def _without_rotary(model: nn.Module) -> str | None:
+    """CogVideoX-2B's layout (sin-cos positions, no rotary tables): the prologue would
+    fuse nothing, so dense calls keep diffusers' processor."""
+    if getattr(getattr(model, "config", None), "use_rotary_positional_embeddings", True):
+        return None
+    return "no rotary embedding: nothing to fuse in the prologue"
+
+
 SPEC = FamilySpec(
     name="cogvideox",
     model_classes=("CogVideoXTransformer3DModel",),
@@ -174,5 +182,6 @@ SPEC = FamilySpec(
         keep_others=True,  # diffusers' fused-QKV processor (or the user's) stays
     ),
     sparse=Sparse(_patch_size, context_parallel=False),  # its processor calls SDPA itself
+    plain_model=_without_rotary,
     relied_on=_relied_on,
 )  # fmt: skip

@@ -165,6 +165,10 @@ class FamilySpec:
     swap_norms: bool = False
     #: Also take a model of another class whose first block is of a known kind.
     by_blocks: bool = False
+    #: Why the model as a whole leaves its prologues nothing to fuse (a setting of the
+    #: model's, e.g. no rotary embedding), or None: ``plain_model(model)``. Without sparse
+    #: attention its processors are then kept, and counted so.
+    plain_model: Callable[[nn.Module], str | None] | None = None
     #: What else must hold of the whole model (``model_problems(model, options)``).
     model_problems: Callable[[nn.Module, PatchOptions], list[str]] | None = None
 
@@ -181,6 +185,8 @@ class Plan:
     attentions: list[tuple[nn.Module, type]] = field(default_factory=list)
     #: processors left as they are ("blocks.3.attn: IPAdapterProcessor").
     kept: list[str] = field(default_factory=list)
+    #: why the model leaves its prologues nothing to fuse (``FamilySpec.plain_model``).
+    plain: str | None = None
 
 
 def _places(model: nn.Module, blocks: Blocks) -> Iterator[tuple[str, str, nn.Module]]:
@@ -237,6 +243,7 @@ class DeclaredFamily:
         if options.attention is not None and spec.sparse.patch_size(model) is None:  # type: ignore[union-attr]
             problems.append("sparse attention needs the model's config.patch_size (t, h, w)")
         version = getattr(diffusers, "__version__", "?")
+        plan.plain = spec.plain_model(model) if spec.plain_model is not None else None
         kinds: dict[type, Fused | None] = {}
         for blocks in spec.blocks:
             if blocks.norms_only and not options.norms:
@@ -298,7 +305,7 @@ class DeclaredFamily:
             names = ", ".join(dict.fromkeys(n for _, n in spec.processors))
             return [f"{where}.processor is a {type(proc).__name__}, not {names}"]
         if options.attention is None and attn is not None:
-            plain = kind.plain(attn, where)
+            plain = [plan.plain] if plan.plain else kind.plain(attn, where)
             if plain:
                 plan.kept.append(f"{where}: {type(proc).__name__} ({plain[0]})")
                 return []
