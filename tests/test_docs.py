@@ -60,11 +60,13 @@ def _models() -> dict[str, nn.Module]:
     from tests.integrations.test_diffusers_chroma import tiny_chroma
     from tests.integrations.test_diffusers_cogvideox import tiny_cogvideox
     from tests.integrations.test_diffusers_flux import tiny_flux
+    from tests.integrations.test_diffusers_flux2 import tiny_flux2
     from tests.integrations.test_diffusers_hunyuan_video import tiny_hunyuan
     from tests.integrations.test_diffusers_hunyuan_video15 import tiny_model
     from tests.integrations.test_diffusers_hunyuan_video_framepack import tiny as tiny_framepack
     from tests.integrations.test_diffusers_ltx2 import tiny_ltx2
     from tests.integrations.test_diffusers_ltx_video import tiny_ltx
+    from tests.integrations.test_diffusers_mochi import tiny_mochi
     from tests.integrations.test_diffusers_qwen_image import tiny_qwen
     from tests.integrations.test_diffusers_sd3 import SD35, tiny_sd3
     from tests.integrations.test_diffusers_wan import tiny_wan
@@ -73,6 +75,8 @@ def _models() -> dict[str, nn.Module]:
     return {
         "wan": tiny_wan(keep_fp32=True),
         "flux": tiny_flux(),
+        "flux2": tiny_flux2(),
+        "mochi": tiny_mochi(),
         "hunyuan_video": tiny_hunyuan(),
         "hunyuan_video15": tiny_model(),
         "hunyuan_video_framepack": tiny_framepack(),

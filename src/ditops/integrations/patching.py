@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX,
-HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, FLUX.2,
+Mochi, HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -25,11 +25,13 @@ from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.chroma.family import SPEC as CHROMA
 from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
 from ditops.integrations.flux.family import SPEC as FLUX
+from ditops.integrations.flux2.family import SPEC as FLUX2
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
 from ditops.integrations.ltx2.family import LTX2Family
 from ditops.integrations.ltx_video.family import LTXVideoFamily
+from ditops.integrations.mochi.family import SPEC as MOCHI
 from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.sd3.family import SPEC as SD3
 from ditops.integrations.shared.base import (
@@ -51,6 +53,8 @@ logger = logging.getLogger("ditops")
 FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(WAN),
     DeclaredFamily(FLUX),
+    DeclaredFamily(FLUX2),
+    DeclaredFamily(MOCHI),
     DeclaredFamily(HUNYUAN_VIDEO),
     DeclaredFamily(HUNYUAN_VIDEO15),
     DeclaredFamily(FRAMEPACK),

@@ -53,7 +53,6 @@ from torch import nn
 
 from ditops.integrations.flux.forwards import (
     DOUBLE_BYPASSES,
-    NORM_OUT_BYPASSES,
     SINGLE_BYPASSES,
     FusedFluxAttnProcessor,
     double_block_forward,
@@ -62,8 +61,7 @@ from ditops.integrations.flux.forwards import (
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
     adaln_ops,
-    norm_out_forward,
-    norm_out_problems,
+    norm_out_blocks,
     relied_on_norms,
     zero_norm_problem,
 )
@@ -146,13 +144,7 @@ SPEC = FamilySpec(
                    single_block_forward, SINGLE_BYPASSES, unfused=_single_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
-        Blocks(
-            ("norm_out",),
-            (Fused("AdaLayerNormContinuous.forward", {"6774475aefc7c86f": DIFFUSERS_042},
-                   norm_out_forward, NORM_OUT_BYPASSES, problems=norm_out_problems,
-                   kind="output norm"),),
-            required=True,
-        ),
+        norm_out_blocks(),
     ),
     ops=adaln_ops,
     attention=Attention(

@@ -25,10 +25,10 @@ FP16_MAX = 65504.0
 DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
                    "norm2_context")  # fmt: skip
 SINGLE_BYPASSES = ("norm", "norm.norm")
-NORM_OUT_BYPASSES = ("norm",)
 
 
-def _prologue_bypass(attn: nn.Module) -> Bypass:
+def prologue_bypass(attn: nn.Module) -> Bypass:
+    """The q/k norms a fused prologue computes without calling them (FLUX.1 and FLUX.2)."""
     names = ["norm_q", "norm_k"]
     if getattr(attn, "added_kv_proj_dim", None) is not None:
         names += ["norm_added_q", "norm_added_k"]
@@ -36,11 +36,79 @@ def _prologue_bypass(attn: nn.Module) -> Bypass:
 
 
 def clip_fp16(h: torch.Tensor) -> torch.Tensor:
-    """FLUX's (and Chroma's) own guard, in its own place (after the residual adds it
-    names): fp16 activations clipped to the largest finite fp16."""
+    """FLUX's own guard (FLUX.1, FLUX.2 and Chroma), in its own place (after the residual
+    adds it names): fp16 activations clipped to the largest finite fp16."""
     if h.dtype == torch.float16:
         return h.clip(-FP16_MAX, FP16_MAX)
     return h
+
+
+def fused_tables(
+    image_rotary_emb: Any, device: torch.device
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The rotary tables as the fused prologue takes them (fp32 on ``device``), or None
+    where it would not compute what ``apply_rotary_emb`` does: no tables, tables other than
+    the ``[L, D]`` of FLUX's position embeddings, or fp64 tables (diffusers then rotates in
+    fp64). ``apply_rotary_emb`` rotates in fp32 given fp32, bf16 or fp16 tables: so does
+    the op given them widened to fp32 (exact; a no-op for the fp32 tables FLUX makes)."""
+    if image_rotary_emb is None or image_rotary_emb[0].dim() != 2:
+        return None
+    if image_rotary_emb[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return None
+    cos, sin = (t.to(device, torch.float32) for t in image_rotary_emb)
+    return cos, sin
+
+
+def norm_rope(
+    ops: Ops,
+    attn: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``norm_q``/``norm_k`` then the rotary embedding, of ``[B, L, H, D]`` q and k, on
+    the fused ``qk`` op."""
+    nq, nk = attn.norm_q, attn.norm_k
+    return ops.qk(query, key, nq.weight, nk.weight, cos, sin, nq.eps)  # type: ignore[no-any-return]
+
+
+def _norm_rope_joint(
+    ops: Ops,
+    attn: nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    e_query: torch.Tensor,
+    e_key: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The double-stream prologue: the text tokens' q/k (``norm_added_q``/``norm_added_k``,
+    the first rows of the tables) and the image tokens' (``norm_q``/``norm_k``, the rest),
+    each on the fused ``qk`` op, concatenated ``[text, image]`` as FLUX does (the rotation
+    is per row: rotating the parts is rotating the whole)."""
+    T = e_query.shape[1]
+    nq, nk = attn.norm_added_q, attn.norm_added_k
+    t_q, t_k = ops.qk(e_query, e_key, nq.weight, nk.weight, cos[:T], sin[:T], nq.eps)
+    i_q, i_k = norm_rope(ops, attn, query, key, cos[T:], sin[T:])
+    return torch.cat([t_q, i_q], dim=1), torch.cat([t_k, i_k], dim=1)
+
+
+def fused_qkv(
+    ops: Ops, attn: nn.Module, projections: tuple, tables: tuple[torch.Tensor, torch.Tensor]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q, k, v ``[B, L, H, D]`` of FLUX's and FLUX.2's joint or single-stream attention,
+    from diffusers' ``_get_qkv_projections`` (six tensors): the prologue on the fused
+    ``qk`` op, the text rows (``add_*_proj``, if the module has them) first."""
+    query, key, value, e_query, e_key, e_value = projections
+    D = attn.head_dim
+    query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
+    if attn.added_kv_proj_dim is None:
+        query, key = norm_rope(ops, attn, query, key, *tables)
+        return query, key, value
+    e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
+    query, key = _norm_rope_joint(ops, attn, query, key, e_query, e_key, *tables)
+    return query, key, torch.cat([e_value, value], dim=1)
 
 
 def double_block_forward(
@@ -133,7 +201,7 @@ class FusedFluxAttnProcessor(DenseProcessor):
     processor (``_attention_backend``, ``_parallel_config``) are those of the wrapped
     original, so ``set_attention_backend`` and ``enable_parallelism`` work before and
     after the patch, and survive ``unpatch``. A call without rotary tables, or with
-    tables other than ``FluxPosEmbed``'s ``[L, D]``, runs the original processor.
+    tables other than ``FluxPosEmbed``'s ``[L, D]`` (or in fp64), runs the original processor.
     """
 
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
@@ -146,42 +214,22 @@ class FusedFluxAttnProcessor(DenseProcessor):
         attention_mask: torch.Tensor | None = None,
         image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> Any:
+        tables = fused_tables(image_rotary_emb, hidden_states.device)
         if (
             self.ops is None
             or float64_call(hidden_states)  # cast after the patch: FLUX's own code
-            or image_rotary_emb is None
-            or image_rotary_emb[0].dim() != 2
-            or _prologue_bypass(attn).problem(attn) is not None
+            or tables is None
+            or prologue_bypass(attn).problem(attn) is not None
         ):
-            # No ops, no rotation, tables other than FluxPosEmbed's [L, D], or q/k norms
-            # hooked or replaced since the patch: FLUX's own code (it calls the norms).
+            # No ops, no rotation, tables the op would not rotate as FLUX does, or q/k
+            # norms hooked or replaced since the patch: FLUX's own code (it calls the norms).
             return self.original(
                 attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
             )
         from diffusers.models.transformers import transformer_flux as tf
 
-        query, key, value, e_query, e_key, e_value = tf._get_qkv_projections(
-            attn, hidden_states, encoder_hidden_states
-        )
-        D = attn.head_dim
-        query, key, value = (t.unflatten(-1, (-1, D)) for t in (query, key, value))
-        # apply_rotary_emb rotates in fp32 whatever the tables' dtype: so does the op
-        # given fp32 tables (a no-op for FluxPosEmbed's, which are fp32).
-        cos, sin = (t.to(query.device, torch.float32) for t in image_rotary_emb)
-        qk = self.ops.qk
-        if attn.added_kv_proj_dim is not None:
-            e_query, e_key, e_value = (t.unflatten(-1, (-1, D)) for t in (e_query, e_key, e_value))
-            T = e_query.shape[1]
-            nq, nk = attn.norm_added_q, attn.norm_added_k
-            t_q, t_k = qk(e_query, e_key, nq.weight, nk.weight, cos[:T], sin[:T], nq.eps)
-            nq, nk = attn.norm_q, attn.norm_k
-            i_q, i_k = qk(query, key, nq.weight, nk.weight, cos[T:], sin[T:], nq.eps)
-            query = torch.cat([t_q, i_q], dim=1)
-            key = torch.cat([t_k, i_k], dim=1)
-            value = torch.cat([e_value, value], dim=1)
-        else:
-            nq, nk = attn.norm_q, attn.norm_k
-            query, key = qk(query, key, nq.weight, nk.weight, cos, sin, nq.eps)
+        projections = tf._get_qkv_projections(attn, hidden_states, encoder_hidden_states)
+        query, key, value = fused_qkv(self.ops, attn, projections, tables)
         hidden_states = tf.dispatch_attention_fn(
             query,
             key,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.base import is_plain_layer_norm
+from ditops.integrations.shared.family import Blocks, Fused
 from ditops.integrations.shared.ops import Ops
 
 DIFFUSERS_042 = "diffusers 0.42"
@@ -122,3 +123,13 @@ def norm_out_forward(
     emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))
     scale, shift = torch.chunk(emb, 2, dim=1)
     return ops.modulate(x, scale[:, None, :], shift[:, None, :], norm.norm.eps)
+
+
+def norm_out_blocks() -> Blocks:
+    """The output norm of FLUX, FLUX.2 and Mochi, declared (``FamilySpec.blocks``):
+    ``norm_out``, an ``AdaLayerNormContinuous`` over a LayerNorm without affine, on the
+    modulate op (:func:`norm_out_forward`)."""
+    known = {"6774475aefc7c86f": DIFFUSERS_042}
+    fused = Fused("AdaLayerNormContinuous.forward", known, norm_out_forward, ("norm",),
+                  problems=norm_out_problems, kind="output norm")  # fmt: skip
+    return Blocks(("norm_out",), (fused,), required=True)

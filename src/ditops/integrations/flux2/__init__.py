@@ -1,0 +1,1 @@
+"""FLUX.2: the declaration (``family``) and its fused forwards and processors (``forwards``)."""

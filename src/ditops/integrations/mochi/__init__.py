@@ -1,0 +1,1 @@
+"""Mochi: the declaration (``family``) and its fused forwards and processor (``forwards``)."""

@@ -1,0 +1,373 @@
+"""ditops.patch on a tiny diffusers Flux2Transformer2DModel built from keyword arguments.
+
+Parity: exact precision is bitwise the unpatched model in fp32, bf16 and fp16 (fp16 also
+runs FLUX.2's clipping), with the fused CPU paths shown to run and counted per forward;
+the Klein KV pipeline's per-token modulations and kept KV processors too; fast precision
+within tolerance; unpatch restores. Then what a patch must survive (deep copies,
+pickling, patching again, diffusers' FirstBlockCache in both orders, a torch hook on a
+bypassed norm, torch.compile) and the models it must refuse.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+from ditops.integrations import PatchError
+from tests.integrations.family_checks import assert_refused_whole, cached_steps
+from tests.integrations.lifecycle import (
+    change_source,
+    check_compile_fullgraph,
+    check_deep_copy,
+    check_pickles_and_patches_again,
+    check_triton_paths,
+)
+from tests.integrations.spies import FLUX_OPS, cpu_paths_of
+from tests.precision import max_rel_err
+
+diffusers = pytest.importorskip(
+    "diffusers", reason="the diffusers extra is part of the test install"
+)
+from diffusers import Flux2Transformer2DModel  # noqa: E402
+from diffusers.models.transformers import transformer_flux2 as tf2  # noqa: E402
+
+#: fast precision: output against the unpatched model, relative to its scale.
+FAST_REL_TOL = 2e-2
+NAME = "Flux2Transformer2DModel"
+
+TINY = dict(
+    patch_size=1,
+    in_channels=8,
+    num_layers=2,
+    num_single_layers=2,
+    attention_head_dim=16,
+    num_attention_heads=2,
+    joint_attention_dim=24,
+    timestep_guidance_channels=32,
+    mlp_ratio=2.0,
+    axes_dims_rope=(4, 4, 4, 4),
+    guidance_embeds=False,
+)
+TEXT = 7  # odd: the tables split at an odd row
+SIDE = 5
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def tiny_flux2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> Flux2Transformer2DModel:
+    torch.manual_seed(0)
+    return Flux2Transformer2DModel(**{**TINY, **overrides}).to(dtype).eval()
+
+
+def image_ids(side: int = SIDE, t: int = 0) -> torch.Tensor:
+    rows, cols = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+    return torch.stack([torch.full_like(rows, t), rows, cols, torch.zeros_like(rows)], -1).reshape(
+        -1, 4
+    )
+
+
+def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
+    g = torch.Generator().manual_seed(1)
+    txt_ids = torch.zeros(TEXT, 4, dtype=torch.long)
+    txt_ids[:, 3] = torch.arange(TEXT)
+    return {
+        "hidden_states": torch.randn(batch, SIDE * SIDE, 8, generator=g).to(dtype) * 2,
+        "encoder_hidden_states": torch.randn(batch, TEXT, 24, generator=g).to(dtype),
+        "timestep": torch.tensor([0.7, 0.3][:batch] + [0.5] * (batch - 2), dtype=dtype),
+        "img_ids": image_ids(),
+        "txt_ids": txt_ids,
+    }
+
+
+def run(model: nn.Module, **kw: object) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(**kw, return_dict=False)[0]
+
+
+cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
+
+#: One forward: 2 double blocks (2 modulated norms, 2 residual + norm, 2 residuals, the
+#: text and the image prologue each), 2 single blocks (1 of each), the output norm.
+PER_FORWARD = {
+    "adaln_modulate": 2 * 2 + 2 + 1,
+    "adaln_residual_modulate": 2 * 2,
+    "adaln_residual": 2 * 2 + 2,
+    "qk_norm_rope": 2 * 2 + 2,
+}
+FUSED = {"fused blocks": 4, "fused attention prologues": 4, "fused output norm": 1}
+
+
+@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
+def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
+    dtype: str, batch: int, cpu_paths: dict[str, int]
+) -> None:
+    model = tiny_flux2(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=batch)
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME] == FUSED
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == PER_FORWARD
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}  # per forward
+    ditops.unpatch(model)
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn.processor) is tf2.Flux2AttnProcessor
+    single = model.single_transformer_blocks[0].attn.processor
+    assert type(single) is tf2.Flux2ParallelSelfAttnProcessor
+    assert torch.equal(run(model, **x), ref)
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+def test_fast_patch_within_tolerance(dtype: str) -> None:
+    model = tiny_flux2(DTYPES[dtype])
+    x = inputs(DTYPES[dtype], batch=2)
+    ref = run(model, **x)
+    ditops.patch(model, precision="fast")
+    out = run(model, **x)
+    assert out.dtype == ref.dtype
+    assert max_rel_err(out, ref) <= FAST_REL_TOL
+
+
+def test_fused_projections_and_guidance(cpu_paths: dict[str, int]) -> None:
+    """``fuse_qkv_projections`` (to_qkv / to_added_qkv, diffusers' own split) and the
+    guidance embedding of the guidance-distilled FLUX.2 [dev]."""
+    model = tiny_flux2(guidance_embeds=True)
+    model.fuse_qkv_projections()
+    x = {**inputs(batch=2), "guidance": torch.tensor([3.5, 3.5], dtype=torch.bfloat16)}
+    ref = run(model, **x)
+    assert ditops.patch(model, precision="exact").models[NAME] == FUSED
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths == PER_FORWARD
+
+
+def _kv_runs(model: nn.Module, x: dict) -> list[torch.Tensor]:
+    """The Klein KV pipeline's two modes: a first step extracting the reference tokens'
+    K/V (per-token modulations blended for them), then one attending to the cache."""
+    ref_tokens = torch.randn(1, 9, 8, generator=torch.Generator().manual_seed(2)).bfloat16()
+    extract = {
+        **x,
+        "hidden_states": torch.cat([ref_tokens, x["hidden_states"]], dim=1),
+        "img_ids": torch.cat([image_ids(3, t=10), x["img_ids"]]),
+    }
+    with torch.inference_mode():
+        first, cache = model(
+            **extract, kv_cache_mode="extract", num_ref_tokens=9, return_dict=False
+        )
+        then = model(**x, kv_cache=cache, kv_cache_mode="cached", return_dict=False)[0]
+    return [first, then]
+
+
+def test_kv_cache_processors_are_kept_and_per_token_modulations_fused(
+    cpu_paths: dict[str, int],
+) -> None:
+    model = tiny_flux2()
+    for block in model.transformer_blocks:
+        block.attn.set_processor(tf2.Flux2KVAttnProcessor())
+    for block in model.single_transformer_blocks:
+        block.attn.set_processor(tf2.Flux2KVParallelSelfAttnProcessor())
+    x = inputs()
+    want = _kv_runs(model, x)
+    report = ditops.patch(model, precision="exact")
+    assert report.models[NAME] == {
+        "fused blocks": 4, "fused output norm": 1, "attention processors kept": 4
+    }  # fmt: skip
+    got = _kv_runs(model, x)
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    assert cpu_paths["adaln_residual_modulate"] == 2 * 2 * 2  # both calls ran fused
+    assert "qk_norm_rope" not in cpu_paths
+
+
+def test_tables_in_another_dtype() -> None:
+    """bf16 tables rotate in fp32 in apply_rotary_emb (so in the op, widened); fp64 tables
+    rotate in fp64 there: the processor runs diffusers' code for them."""
+    model = tiny_flux2()
+    ditops.patch(model, precision="exact")
+    attn = model.single_transformer_blocks[0].attn
+    h = torch.randn(1, 9, 32, dtype=torch.bfloat16)
+    ids = torch.arange(36).reshape(9, 4) % 5
+    processor = attn.processor
+    for dtype in (torch.bfloat16, torch.float64):
+        cos, sin = (t.to(dtype) for t in model.pos_embed(ids))
+        with torch.inference_mode():
+            got = processor(attn, h, image_rotary_emb=(cos, sin))
+            want = processor.original(attn, h, image_rotary_emb=(cos, sin))
+        assert torch.equal(got, want)
+
+
+def test_a_processor_built_by_a_loader_runs_the_original_code() -> None:
+    model = tiny_flux2()
+    ditops.patch(model, precision="exact")
+    for attn in (model.transformer_blocks[0].attn, model.single_transformer_blocks[0].attn):
+        built = type(attn.processor)()
+        assert built.ops is None
+        assert type(built.original).__name__ == built.wraps[1]
+
+
+def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
+    model = tiny_flux2()
+    model.transformer_blocks[1].norm2_context = nn.LayerNorm(32).bfloat16()
+    nn.init.normal_(model.transformer_blocks[1].norm2_context.weight)
+    x = inputs()
+    ref = run(model, **x)
+    report = ditops.patch(model, precision="exact")
+    why = report.unfused[NAME]["transformer_blocks.1"]
+    assert "norm2_context is a LayerNorm, not a LayerNorm without affine" in why
+    assert report.models[NAME]["fused blocks"] == 3
+    assert "forward" not in vars(model.transformer_blocks[1])
+    assert torch.equal(run(model, **x), ref)
+
+
+def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(cpu_paths: dict[str, int]) -> None:
+    model = tiny_flux2()
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    seen = []
+    handle = model.single_transformer_blocks[1].norm.register_forward_hook(
+        lambda m, a, out: seen.append(out.shape)
+    )
+    assert torch.equal(run(model, **x), ref)
+    assert seen == [torch.Size([1, TEXT + SIDE * SIDE, 32])]  # the hook saw its call
+    assert cpu_paths["adaln_modulate"] == PER_FORWARD["adaln_modulate"] - 1
+    handle.remove()
+    assert torch.equal(run(model, **x), ref)
+    assert cpu_paths["adaln_modulate"] == 2 * PER_FORWARD["adaln_modulate"] - 1
+
+
+@pytest.mark.parametrize(
+    ("owner", "name", "fragment"),
+    [
+        (tf2.Flux2TransformerBlock, "forward", r"transformer_blocks\[0\] is a Flux2Transformer"),
+        (tf2.Flux2SingleTransformerBlock, "forward", r"single_transformer_blocks\[1\] is a"),
+        (tf2.Flux2ParallelSelfAttnProcessor, "__call__", r"processor .*differs from the versions"),
+        (tf2, "apply_rotary_emb", None),
+    ],
+    ids=["double_block", "single_block", "processor", "rotary"],
+)
+def test_a_changed_diffusers_function_is_refused(
+    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str | None
+) -> None:
+    if fragment is None:  # apply_rotary_emb: changed where it is defined
+        from diffusers.models import embeddings as owner  # type: ignore[no-redef]
+
+        fragment = r"apply_rotary_emb of diffusers .* differs"
+    change_source(monkeypatch, owner, name)
+    model = tiny_flux2()
+    with pytest.raises(PatchError, match=fragment):
+        ditops.patch(model)
+    assert not hasattr(model, "_ditops_patch")
+    assert "forward" not in vars(model.transformer_blocks[0])
+    assert type(model.transformer_blocks[0].attn.processor) is tf2.Flux2AttnProcessor
+
+
+@pytest.mark.parametrize(
+    ("change", "options", "fragment"),
+    [
+        (
+            lambda m: None,
+            {"attention": BlockSparseConfig(sparsity=0.5)},
+            r"sparse attention is supported for WanTransformer3DModel.*not for "
+            r"Flux2Transformer2DModel",
+        ),
+        (
+            lambda m: setattr(m.transformer_blocks[1].attn.norm_added_k, "eps", 1e-3),
+            {},
+            r"transformer_blocks\[1\].attn.norm_added_q and norm_added_k have different eps",
+        ),
+    ],
+    ids=["sparse_attention", "qk_eps"],
+)
+def test_models_it_was_not_written_for_are_refused_whole(
+    change, options: dict, fragment: str
+) -> None:
+    model = tiny_flux2()
+    change(model)
+    assert_refused_whole(model, run, inputs(), fragment, **options)
+
+
+def test_norms_false_changes_nothing() -> None:
+    model = tiny_flux2()
+    report = ditops.patch(model, norms=False)
+    assert report.models[NAME] == {}
+    assert "forward" not in vars(model.transformer_blocks[0])
+
+
+# --- a patched model's life -------------------------------------------------------------------
+
+
+def test_deep_copy_pickle_and_patching_again() -> None:
+    def halve(twin: nn.Module) -> None:
+        for block in twin.single_transformer_blocks:
+            block.attn.norm_q.weight.mul_(0.5)
+
+    check_deep_copy(tiny_flux2(), inputs(), run, halve)
+    check_pickles_and_patches_again(tiny_flux2(), inputs(batch=2), run)
+
+
+#: Four steps' timesteps (TaylorSeer caches some of them).
+STEPS = [torch.tensor([0.9 - 0.1 * i], dtype=torch.bfloat16) for i in range(4)]
+
+
+def test_diffusers_cache_hooks_in_both_orders(cpu_paths: dict[str, int]) -> None:
+    """TaylorSeer (hooks on the attention modules: cached steps skip them) before and after
+    the patch. (diffusers 0.42.1's FirstBlockCache fails on an unpatched FLUX.2: its tail
+    single-stream block returns one tensor where the head block returned two.)"""
+    from diffusers import TaylorSeerCacheConfig
+
+    x = inputs()
+    cache = TaylorSeerCacheConfig(cache_interval=2, disable_cache_before_step=1)
+    plain = tiny_flux2()
+    plain.enable_cache(cache)
+    want = cached_steps(plain, x, STEPS)
+    for patch_first in (True, False):
+        model = tiny_flux2()
+        if patch_first:
+            ditops.patch(model, precision="exact")
+        model.enable_cache(cache)
+        if not patch_first:
+            ditops.patch(model, precision="exact")
+        assert all(torch.equal(a, b) for a, b in zip(cached_steps(model, x, STEPS), want))
+    assert cpu_paths["adaln_residual_modulate"] == 2 * 4 * PER_FORWARD["adaln_residual_modulate"]
+    assert 0 < cpu_paths["qk_norm_rope"] < 2 * 4 * PER_FORWARD["qk_norm_rope"]  # some cached
+
+
+@pytest.mark.parametrize("patch_first", [True, False], ids=["patch_first", "hook_first"])
+def test_block_level_group_offloading_in_both_orders(
+    patch_first: bool, cpu_paths: dict[str, int]
+) -> None:
+    """diffusers hooks on the blocks themselves: the fused forward runs under them."""
+    x = inputs()
+    want = run(tiny_flux2(), **x)
+    model = tiny_flux2()
+    if patch_first:
+        ditops.patch(model, precision="exact")
+    model.enable_group_offload(torch.device("cpu"), offload_type="block_level",
+                               num_blocks_per_group=1)  # fmt: skip
+    if not patch_first:
+        assert ditops.patch(model, precision="exact").models[NAME] == FUSED
+    assert torch.equal(run(model, **x), want)
+    assert cpu_paths == PER_FORWARD
+    ditops.unpatch(model)
+    assert torch.equal(run(model, **x), want)
+
+
+@pytest.mark.slow
+def test_compile_first_fullgraph_without_recompiles() -> None:
+    """One block of each kind, compiled before any eager call, fullgraph."""
+    check_compile_fullgraph(lambda: tiny_flux2(num_layers=1, num_single_layers=1), inputs(), run)
+
+
+def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every fused op on its Triton path (interpreter, strict), one block of each kind."""
+    from ditops.ops import modulation_model_dtype as adaln
+    from ditops.ops import qk_norm_rope
+
+    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
+           qk_norm_rope.QKNormRopeOp)  # fmt: skip
+    model = tiny_flux2(num_layers=1, num_single_layers=1)
+    used = check_triton_paths(monkeypatch, model, inputs(batch=2), run, ops, FAST_REL_TOL)
+    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
+                    "qk_norm_rope": 3}  # fmt: skip
