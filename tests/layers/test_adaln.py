@@ -174,6 +174,25 @@ def test_bad_input_is_explained(call: Any, error: type[Exception], match: str) -
 # --- the Triton path, through the interpreter ---------------------------------------------
 
 
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", [*MODULATIONS, "none"])
+def test_cpu_whole_tensor_residual_is_eager_bitwise(kind: str, dtype: str) -> None:
+    """The second CPU path of adaln_residual (two ATen calls over the whole tensor, the
+    product written into the output) gives eager's bits, inf and NaN included."""
+    h, a, *_ = _args("flux", DTYPES[dtype])
+    gate = None if kind == "none" else MODULATIONS[kind](DTYPES[dtype])
+    h[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    a[1, 2, :2] = torch.tensor([float("inf"), float("nan")])
+    want = h + a if gate is None else flux_residual(h, a, gate)
+    with torch.no_grad():
+        got = adaln_residual.op.forward_cpu_whole(h, a, gate)
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    finite = ~want.isnan()
+    assert torch.equal(got[finite], want[finite])
+    assert_exact(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
 @pytest.fixture
 def on_cuda() -> Any:
     reset_state()
