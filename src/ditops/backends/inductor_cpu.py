@@ -60,6 +60,10 @@ def amx_tiles() -> bool:
     return _amx[0]
 
 
+# Asked at import, not first under a trace: dynamo refuses to trace torch's probe, so a
+# fullgraph compile whose first op call asks (the estimate's path reasons) would break.
+amx_tiles()
+
 INDUCTOR_CPU = InductorCpuBackend()
 
 

@@ -29,8 +29,8 @@ from ditops.integrations.flux2.family import SPEC as FLUX2
 from ditops.integrations.hunyuan_video.family import FRAMEPACK
 from ditops.integrations.hunyuan_video.family import SPEC as HUNYUAN_VIDEO
 from ditops.integrations.hunyuan_video.v15 import SPEC as HUNYUAN_VIDEO15
-from ditops.integrations.ltx2.family import LTX2Family
-from ditops.integrations.ltx_video.family import LTXVideoFamily
+from ditops.integrations.ltx2.family import SPEC as LTX2
+from ditops.integrations.ltx_video.family import SPEC as LTX_VIDEO
 from ditops.integrations.mochi.family import SPEC as MOCHI
 from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.sd3.family import SPEC as SD3
@@ -58,8 +58,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     DeclaredFamily(HUNYUAN_VIDEO),
     DeclaredFamily(HUNYUAN_VIDEO15),
     DeclaredFamily(FRAMEPACK),
-    LTXVideoFamily,
-    LTX2Family,
+    DeclaredFamily(LTX_VIDEO),
+    DeclaredFamily(LTX2),
     DeclaredFamily(SD3),
     DeclaredFamily(CHROMA),
     DeclaredFamily(QWEN_IMAGE),

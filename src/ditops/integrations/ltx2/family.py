@@ -62,7 +62,7 @@ from ditops.integrations.ltx_video.family import norm_problems, patch_size, prol
 from ditops.integrations.ltx_video.forwards import ltx_ops
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
-from ditops.integrations.shared.video_sparse import GridFamily
+from ditops.integrations.shared.video_sparse import grid_recorder, split_rotary
 
 
 def _relied_on() -> Relied:
@@ -110,14 +110,13 @@ SPEC = FamilySpec(
         {LTX2SelfAttnProcessor.wraps: LTX2SelfAttnProcessor},
         {"6527410d3c9c0590": DIFFUSERS_042},
         keep_others=True,  # STG's perturbed processor (or the user's) stays; refused if sparse
+        as_diffusers=split_rotary,
     ),
-    # The step is counted by video_sparse.GridRecorder (the timestep by name).
+    # The grid and the step (counted from the timestep, by name) from the call's arguments.
     # Not under context parallelism: diffusers 0.42 itself fails there (its plan splits the
     # video tokens but not the audio-to-video rotary tables).
-    sparse=Sparse(patch_size, count_steps=False, context_parallel=False),
+    sparse=Sparse(
+        patch_size, count_steps=False, recorder=grid_recorder, context_parallel=False
+    ),
     relied_on=_relied_on,
 )  # fmt: skip
-
-#: diffusers' ``LTX2VideoTransformer3DModel``: fused blocks (both streams), video
-#: self-attention prologue, optional block-sparse video self-attention.
-LTX2Family = GridFamily(SPEC)

@@ -66,7 +66,7 @@ from ditops.integrations.ltx_video.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
-from ditops.integrations.shared.video_sparse import GridFamily
+from ditops.integrations.shared.video_sparse import grid_recorder
 
 
 def _relied_on() -> Relied:
@@ -148,11 +148,7 @@ SPEC = FamilySpec(
         {"5c456c41d1d39c06": DIFFUSERS_042},
         keep_others=True,  # the user's processor stays (refused with sparse attention)
     ),
-    # The step is counted by video_sparse.GridRecorder (the timestep by name).
-    sparse=Sparse(patch_size, count_steps=False),
+    # The grid and the step (counted from the timestep, by name) from the call's arguments.
+    sparse=Sparse(patch_size, count_steps=False, recorder=grid_recorder),
     relied_on=_relied_on,
 )  # fmt: skip
-
-#: diffusers' ``LTXVideoTransformer3DModel``: fused blocks and self-attention prologue,
-#: optional block-sparse self-attention.
-LTXVideoFamily = GridFamily(SPEC)

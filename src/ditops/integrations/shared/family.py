@@ -44,6 +44,7 @@ from ditops.integrations.shared.base import (
     AttrSet,
     PatchOptions,
     PatchRecord,
+    TorchHook,
     fingerprint,
     fingerprint_problems,
     refuse,
@@ -127,6 +128,9 @@ class Attention:
     #: A processor of another class: kept as it is (``True``; the block is still fused)
     #: or the model refused.
     keep_others: bool = False
+    #: Why a wrapped processor runs diffusers' own prologue on this attention module (LTX-2's
+    #: split rotary tables), or None: counted apart from the fused prologues.
+    as_diffusers: Callable[[nn.Module], str | None] | None = None
     #: Further diffusers functions a processor calls (``_get_qkv_projections``), per
     #: ditops' processor class: ``relied(cls) -> Relied``.
     relied: Callable[[type], Relied] | None = None
@@ -140,6 +144,10 @@ class Sparse:
     patch_size: Callable[[nn.Module], tuple[int, ...] | None]
     #: Count steps from the timesteps of calls that bring no step index.
     count_steps: bool = True
+    #: A forward pre-hook to install with sparse attention, ``recorder(steps, model)``: for
+    #: models taking packed tokens, whose grid (and step) a call names in its arguments
+    #: (``video_sparse.grid_recorder``).
+    recorder: Callable[[StepState, nn.Module], Any] | None = None
     #: Whether sparse steps run under diffusers' context parallelism (else a model whose
     #: processors carry a parallel config is refused; one enabled after the patch is
     #: refused by the processor at its first sparse call).
@@ -353,6 +361,9 @@ class DeclaredFamily:
             steps = StepState(count_steps=spec.sparse.count_steps)  # type: ignore[union-attr]
             steps.patch_size = spec.sparse.patch_size(model)  # type: ignore[union-attr]
             track_steps(model, steps, record)
+            recorder = spec.sparse.recorder  # type: ignore[union-attr]
+            if recorder is not None and hasattr(type(model), "cache_context"):
+                record.add(TorchHook.register(model, recorder(steps, model)))
         if ops is None and steps is None:
             return
         for cls in {cls for _, cls in plan.attentions}:
@@ -368,7 +379,12 @@ class DeclaredFamily:
             processor = cls(attn.processor, ops=ops, steps=steps, sparse=sparse)
             record.add(AttrSet.apply(attn, "processor", processor))
             if ops is not None:
-                record.count("fused attention prologues")
+                as_diffusers = spec.attention.as_diffusers  # type: ignore[union-attr]
+                why = as_diffusers(attn) if as_diffusers is not None else None
+                record.count(
+                    "fused attention prologues" if why is None
+                    else f"attention prologues as diffusers' ({why})"
+                )  # fmt: skip
         if plan.kept:
             record.count("attention processors kept", len(plan.kept))
 

@@ -8,9 +8,8 @@ shape from ``hidden_states``. LTX's pipelines pack the latents before the call (
 ``width`` (or only the tokens' ``video_coords``): :class:`GridRecorder` records it from
 those arguments, and counts the denoising step from the call's timestep by the
 parameter's name (LTX's pipelines enter ``cache_context("cond_uncond")`` without a step
-index). :class:`GridFamily` is a
-:class:`~ditops.integrations.shared.family.DeclaredFamily` that installs one with the
-sparse attention.
+index). A family declares it as its ``Sparse.recorder``
+(:func:`grid_recorder`), installed with the sparse attention.
 
 :class:`VideoSelfAttention` is the attention a family's self-attention processor runs
 once it has ``q``, ``k``, ``v`` (``[B, S, H, D]``): dense as diffusers dispatches it (the
@@ -29,8 +28,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import PatchOptions, PatchRecord, TorchHook, WrappingProcessor
-from ditops.integrations.shared.family import DeclaredFamily, Plan
+from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.parallel import (
     attend_across_ranks,
     check_method_per_rank,
@@ -116,32 +114,18 @@ def grid_of_coords(
     return (batch, 0, frames * pt, rows * ph, cols * pw)
 
 
-class GridFamily(DeclaredFamily):
-    """Packed-token video models: fused blocks and self-attention prologue, optional
-    block-sparse video self-attention.
+def grid_recorder(steps: StepState, model: nn.Module) -> GridRecorder:
+    """The :class:`GridRecorder` of a packed-token model (``Sparse.recorder``): arguments
+    read by the names of its forward's parameters."""
+    params = tuple(inspect.signature(type(model).forward).parameters)[1:]
+    return GridRecorder(steps, params)
 
-    A :class:`~ditops.integrations.shared.family.DeclaredFamily` that also installs a
-    :class:`GridRecorder` with sparse attention, and counts the self-attentions over split
-    rotary tables (whose prologue stays diffusers') apart from the fused prologues. Its
-    spec's ``Sparse.count_steps`` is False: the recorder counts (by the timestep's name,
-    not its position)."""
 
-    def apply(
-        self, model: nn.Module, plan: Plan, record: PatchRecord, options: PatchOptions
-    ) -> None:
-        super().apply(model, plan, record, options)
-        # A processor over split rotary (LTX-2's checkpoints) runs diffusers' prologue: the
-        # op takes one table for all heads, split's differ per head.
-        split = sum(
-            getattr(a, "rope_type", "interleaved") != "interleaved" for a, _ in plan.attentions
-        )
-        if options.norms and split:
-            record.count("fused attention prologues", -split)
-            record.count("attention prologues as diffusers' (split rotary)", split)
-        state = vars(model).get("_ditops_steps")
-        if options.attention is not None and state is not None:
-            params = tuple(inspect.signature(type(model).forward).parameters)[1:]
-            record.add(TorchHook.register(model, GridRecorder(state, params)))
+def split_rotary(attn: nn.Module) -> str | None:
+    """A self-attention over split rotary tables (LTX-2's checkpoints) runs diffusers'
+    prologue: the op takes one table for all heads, split's differ per head
+    (``Attention.as_diffusers``)."""
+    return None if getattr(attn, "rope_type", "interleaved") == "interleaved" else "split rotary"
 
 
 class VideoSelfAttention(WrappingProcessor):
