@@ -241,6 +241,23 @@ def test_hooks_on_bypassed_norms_run_diffusers_code_bitwise() -> None:
     assert where["transformer_blocks.2"] == "fused"  # the last: norm2_context None, watched
 
 
+def test_a_module_set_where_the_last_block_had_none_is_seen() -> None:
+    """The last block's norm2_context is None when patched: it stays watched, so a module
+    set there afterwards runs that block as diffusers does, and explain_patch says why."""
+    model = tiny_sd3(**SD35)
+    x = inputs()
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    last = model.transformer_blocks[-1]
+    assert last.norm2_context is None
+    last.norm2_context = nn.LayerNorm(last.norm2.normalized_shape, elementwise_affine=False)
+    where = ditops.explain_patch(model)["SD3Transformer2DModel"]
+    assert where[f"transformer_blocks.{len(model.transformer_blocks) - 1}"] == (
+        "norm2_context is a LayerNorm, not the NoneType patched"
+    )
+    assert torch.equal(run(model, **x).float(), ref.float())
+
+
 def test_a_processor_built_by_a_loader_is_the_original() -> None:
     """diffusers' loaders build ``type(p)()``: no ops, JointAttnProcessor2_0's own code."""
     from ditops.integrations.sd3.forwards import FusedSD3AttnProcessor

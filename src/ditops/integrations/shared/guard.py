@@ -133,10 +133,10 @@ class Bypass:
 
     @classmethod
     def of(cls, root: nn.Module, names: tuple[str, ...]) -> Bypass:
-        """``names`` the module has (one it lacks, or holds as None, is not bypassed:
-        Mochi's last block has no ``norm2_context``)."""
-        found = ((name, _submodule(root, name)) for name in names)
-        return cls(tuple((name, type(m)) for name, m in found if m is not None))
+        """``names`` with the class each has now; one the module lacks or holds as None
+        (SD3's and Mochi's last ``norm2_context``) is watched as None by :meth:`problem`,
+        so a module set there later runs the block unfused."""
+        return cls(tuple((name, type(_submodule(root, name))) for name in names))
 
     def problem(self, root: nn.Module) -> str | None:
         """Why the fused forward must not run now (the first reason found), or None."""
