@@ -59,7 +59,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ditops.integrations.hunyuan_video.attention import rms_problems
 from ditops.integrations.qwen_image.forwards import (
     BLOCK_BYPASSES,
     FusedQwenImageAttnProcessor,
@@ -80,6 +79,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.qk_norms import rms_problems
 
 
 def _relied_on() -> Relied:

@@ -53,7 +53,6 @@ from __future__ import annotations
 
 from torch import nn
 
-from ditops.integrations.hunyuan_video.attention import rms_problems
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
@@ -64,6 +63,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.qk_norms import rms_problems
 from ditops.integrations.z_image.forwards import (
     BLOCK_BYPASSES,
     FINAL_BYPASSES,
