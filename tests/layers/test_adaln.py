@@ -193,6 +193,49 @@ def test_cpu_whole_tensor_residual_is_eager_bitwise(kind: str, dtype: str) -> No
     assert_exact(got.nan_to_num(0.0), want.nan_to_num(0.0))
 
 
+def _with_specials(h: torch.Tensor, a: torch.Tensor) -> None:
+    h[0, 0, :3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
+    a[1, 2, :2] = torch.tensor([float("inf"), float("nan")])
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.dtype == want.dtype and got.shape == want.shape
+    assert torch.equal(got.isnan(), want.isnan())
+    assert_exact(got.nan_to_num(0.0), want.nan_to_num(0.0))
+
+
+@pytest.mark.parametrize("dtype", list(DTYPES))
+@pytest.mark.parametrize("kind", [*MODULATIONS, "none"])
+def test_cpu_whole_tensor_modulate_is_eager_bitwise(kind: str, dtype: str) -> None:
+    """The whole-tensor CPU paths of adaln_modulate and adaln_residual_modulate (eager's
+    calls with the product and sum done in place: one output buffer, every intra-op
+    thread) give eager's bits, inf and NaN included, with and without modulations."""
+    h, a, gate, scale, shift = _args("flux" if kind == "none" else kind, DTYPES[dtype])
+    if kind == "none":
+        gate = scale = shift = None
+    _with_specials(h, a)
+    want = flux_modulate(h, 0 if scale is None else scale, 0 if shift is None else shift)
+    with torch.no_grad():
+        _same_bits(adaln_modulate.op.forward_cpu_whole(h, scale, shift, EPS), want)
+        out, new = adaln_residual_modulate.op.forward_cpu_whole(h, a, gate, scale, shift, EPS)
+    res = h + a if gate is None else flux_residual(h, a, gate)
+    _same_bits(new, res)
+    _same_bits(
+        out, flux_modulate(res, 0 if scale is None else scale, 0 if shift is None else shift)
+    )
+
+
+def test_cpu_whole_tensor_paths_leave_inputs_alone() -> None:
+    """In place means in the output buffer only: the inputs keep their values."""
+    h, a, gate, scale, shift = _args("flux", torch.bfloat16)
+    before = [t.clone() for t in (h, a, gate, scale, shift)]
+    with torch.no_grad():
+        adaln_modulate.op.forward_cpu_whole(h, scale, shift, EPS)
+        adaln_residual_modulate.op.forward_cpu_whole(h, a, gate, scale, shift, EPS)
+    for t, b in zip((h, a, gate, scale, shift), before, strict=True):
+        assert torch.equal(t, b)
+
+
 @pytest.fixture
 def on_cuda() -> Any:
     reset_state()

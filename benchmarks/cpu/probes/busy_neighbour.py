@@ -1,13 +1,24 @@
 """CPU paths against their meaning, quiet and with a busy neighbour, at Wan and FLUX sizes.
 
 Per case, one run interleaves (round by round, each variant once per round, the order
-alternating): the meaning (``native``); the CPU path called directly with the process's
-intra-op threads (``path 2t``, ``blocks.THREADS = None``, the kernels before issue 26)
-and with one (``path 1t``, ``blocks.THREADS = 1``, the default now); and the op as a
-user calls it with ``DITOPS_TUNE=on`` (``tuned``: its first call, in the warm-up, times
-path and meaning and keeps the faster). Each case first quiet, then with a spinning
-process started for that phase (``busy``). Cells: median of per-round ratios to the
-meaning / ratio of best times (>1: faster than the meaning). Load average per phase.
+alternating): the meaning (``native``); the meaning again as if it were a contender
+(``A/A``: its ratio is the run's noise floor, the allocator's page state included); the
+CPU path called directly with the process's intra-op threads (``path 2t``,
+``blocks.THREADS = None``, the kernels before issue 26) and with one (``path 1t``,
+``blocks.THREADS = 1``, the default now); and the op as a user calls it with
+``DITOPS_TUNE=on`` (``tuned``: its first call, in the warm-up, times the paths and the
+meaning and keeps the fastest). Each case first quiet, then with a spinning process
+started for that phase (``busy``). Cells: median of per-round ratios to the meaning /
+ratio of best times (>1: faster than the meaning). Load average per phase.
+
+Cases: every op of ``op_costs.py --model wan`` and ``--model flux`` (their shapes), in
+each precision of ``--precisions``.
+
+The op-level memory-bound cases (FLUX's adaLN ops: 28 MB per tensor) swing with glibc's
+heap: a freed block at the top of the heap is returned to the system past the trim
+threshold, and the next call faults its pages in again. ``MALLOC_TRIM_THRESHOLD_`` and
+``MALLOC_MMAP_THRESHOLD_`` set high (a steady heap, as in a process holding a model)
+remove that swing; run both states.
 
     PYTHONPATH=src python benchmarks/cpu/probes/busy_neighbour.py [--rounds 7] [--only wan]
 """
@@ -29,57 +40,47 @@ from ditops.bench.load import blocked_kernel_threads, busy_neighbour, header, ra
 from ditops.core import tune
 
 
-def cases(only: str | None) -> Iterator[tuple[str, str, Any, Any]]:
-    """(name, precision, op, prepared call)."""
-    from ditops.ops import modulation_fp32 as m32
-    from ditops.ops import modulation_model_dtype as mmd
-    from ditops.ops.layer_norm import fp32_layer_norm as ln
+def cases(only: str | None, precisions: tuple[str, ...]) -> Iterator[tuple[str, str, Any, Any]]:
+    """(name, precision, op, prepared call): every op the Wan and FLUX patches run, at the
+    shapes of ``op_costs.py`` (one definition of the shapes for both probes)."""
+    from op_costs import flux_ops, wan_ops
 
-    g = torch.Generator().manual_seed(0)
-
-    def r(*s: int, dt: torch.dtype = torch.bfloat16) -> torch.Tensor:
-        return torch.randn(*s, generator=g).to(dt)
-
-    if only in (None, "wan"):
-        L, C = 8064, 1536  # the bench Wan: 21 x 16 x 24 tokens, dim 1536
-        h, a = r(1, L, C), r(1, L, C)
-        sc, sh, gt = (r(1, 1, C, dt=torch.float32) * 0.1 for _ in range(3))
-        w, b = r(C, dt=torch.float32), r(C, dt=torch.float32)
-        fused = m32.scale_residual_layer_norm_scale_shift
-        yield "wan ln_mod", "exact", m32.layer_norm_scale_shift, (h, None, None, sc, sh, 1e-6)
-        yield "wan fused norm2", "exact", fused, (h, a, gt, w, b, None, None, 1e-6)
-        yield "wan gated (ffn)", "exact", m32.gated_residual, (h, a.float(), gt)
-        yield "FP32LayerNorm", "exact", ln, (h[0], (C,), w, b, 1e-6)
-        yield "FP32LayerNorm", "fast", ln, (h[0], (C,), w, b, 1e-6)
-    if only in (None, "flux"):
-        L, C = 4096 + 512, 3072  # FLUX 1024px: 4096 image + 512 text tokens, dim 3072
-        h, a = r(1, L, C), r(1, L, C)
-        sc, sh, gt = (r(1, 1, C) * 0.1 for _ in range(3))
-        yield "flux adaln_modulate", "exact", mmd.adaln_modulate, (h, sc, sh, 1e-6)
-        yield "flux adaln_residual", "exact", mmd.adaln_residual, (h, a, gt)
-        yield "flux adaln_modulate", "fast", mmd.adaln_modulate, (h, sc, sh, 1e-6)
+    gen = torch.Generator().manual_seed(0)
+    models = {"wan": wan_ops, "flux": flux_ops}
+    for model, make in models.items():
+        if only not in (None, model):
+            continue
+        for name, (fn, args, kw, _moved) in make(gen).items():
+            op = fn.op  # public ops are functions; the module is fn.op
+            for precision in precisions:
+                yield f"{model} {name}", precision, op, op.prepare(*args, **kw)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--only", choices=("wan", "flux"), default=None)
+    parser.add_argument("--ops", default="", help="comma-separated substrings of case names")
+    parser.add_argument("--precisions", default="exact,fast", help="comma-separated")
+    parser.add_argument("--phases", default="quiet,busy", help="comma-separated: quiet, busy")
     args = parser.parse_args()
     print("\n".join(header()))
     print(f"command: {' '.join(sys.argv)}")
     print("cells: median of per-round ratios to the meaning / ratio of best times")
-    names = ("path 2t", "path 1t", "tuned")
+    names = ("A/A", "path 2t", "path 1t", "tuned")
     print(
-        f"{'case':20} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
+        f"{'case':30} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
         + " ".join(f"{n:>13}" for n in names)
     )
     print("(the tuned variant's cache: a fresh folder per case and phase)")
     with torch.inference_mode():
-        for name, precision, fn, argv in cases(args.only):
-            op = getattr(fn, "op", fn)  # public ops are functions; the module is fn.op
-            call = op.prepare(*argv)
-            shape = "x".join(map(str, argv[0].shape))
-            for busy in (False, True):
+        precisions = tuple(args.precisions.split(","))
+        phases = [p == "busy" for p in args.phases.split(",")]
+        for name, precision, op, call in cases(args.only, precisions):
+            if args.ops and not any(o in name for o in args.ops.split(",")):
+                continue
+            shape = "x".join(map(str, call.tensors()[0].shape))
+            for busy in phases:
                 tune.forget()  # each phase tunes afresh, in its own conditions
                 tuned_cfg = config.replace(config.get(), tune="on", cache_dir=tempfile.mkdtemp())
                 with busy_neighbour(busy), config.override(precision=precision):
@@ -104,6 +105,7 @@ def main() -> None:
 
                     variants = {
                         "native": lambda: op.forward_native(call),
+                        "A/A": lambda: op.forward_native(call),
                         "path 2t": path(None),
                         "path 1t": path(1),
                         "tuned": tuned,
@@ -112,12 +114,12 @@ def main() -> None:
                 phase = "busy" if busy else "quiet"
                 cells = " ".join(f"{res[n][0]:6.2f}/{res[n][1]:6.2f}" for n in names)
                 print(
-                    f"{name:20} {precision:5} {phase:5} {load:5.2f} "
+                    f"{name:30} {precision:5} {phase:5} {load:5.2f} "
                     f"{res['native'][2] * 1e3:9.1f} {cells}   [{shape}]",
                     flush=True,
                 )
                 for c in tune.choices(tuned_cfg).values():
-                    print(f"{'':26} tuned -> {c.winner.removeprefix('forward_')}: {c.why()}")
+                    print(f"{'':36} tuned -> {c.winner.removeprefix('forward_')}: {c.why()}")
 
 
 if __name__ == "__main__":

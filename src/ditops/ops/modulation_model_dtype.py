@@ -105,15 +105,31 @@ def _native_residual(c: ModulationCall) -> torch.Tensor:
     return (r4 + prod).reshape(c.residual.shape)
 
 
-def _native_modulate(c: ModulationCall, h3: torch.Tensor) -> torch.Tensor:
+def _native_modulate(c: ModulationCall, h3: torch.Tensor, in_place: bool = False) -> torch.Tensor:
+    """The eager expression; ``in_place``: its product and sum written into the norm's
+    output (same operands, same order, same dtype with one dtype throughout: eager's bits
+    in one buffer instead of three)."""
     h4, s4 = c.grouped(h3, "scale")
     _, t4 = c.grouped(h3, "shift")
     y = F.layer_norm(h4, (h3.shape[-1],), None, None, c.eps)
     if not c.scale.is_none:
-        y = y * (1 + s4)
+        y = y.mul_(1 + s4) if in_place else y * (1 + s4)
     if not c.shift.is_none:
-        y = y + t4
+        y = y.add_(t4) if in_place else y + t4
     return y.reshape(h3.shape)
+
+
+def _whole_residual(c: ModulationCall) -> torch.Tensor:
+    """``residual + gate * x`` with the product written into the output and the residual
+    added in place: the meaning's operands and order (eager's bits), no temporary."""
+    assert c.residual is not None
+    r4, g4 = c.grouped(c.residual, "gate")
+    x4, _ = c.grouped(c.x, "gate")
+    out = torch.empty(r4.shape, dtype=c.residual.dtype, device=r4.device)
+    if c.gate.is_none:
+        return torch.add(r4, x4, out=out).reshape(c.residual.shape)
+    torch.mul(g4, x4, out=out)
+    return torch.add(r4, out, out=out).reshape(c.residual.shape)
 
 
 # --- which calls the fast paths take ----------------------------------------------------------
@@ -180,6 +196,18 @@ class AdaLNModulateOp(CustomOp):
         return kernel(c.x, c.rows("scale"), c.rows("shift"), c.eps, c.exact).reshape(c.shape)
 
     @path(
+        "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
+    def forward_cpu_whole(self, c: ModulationCall) -> torch.Tensor:
+        # The meaning over the whole tensor on every intra-op thread, its product and sum
+        # in place (eager's bits, one buffer instead of three). For the tuner: on a quiet
+        # 2-core EPYC at FLUX's size the meaning's best calls (memory recycled, both
+        # threads) ran at 1.9x the blocked one-thread kernel's
+        # (benchmarks/cpu/busy_neighbour-all-ops.txt).
+        return _native_modulate(c, c.x, in_place=True).reshape(c.shape)
+
+    @path(
         "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
         propagates_non_finite=True, reasons=one_dtype_reasons,
     )  # fmt: skip
@@ -221,14 +249,7 @@ class AdaLNResidualOp(CustomOp):
         # bits): no full-size temporary, every intra-op thread. For the tuner: on a quiet
         # 2-core EPYC at FLUX's size it ran at the meaning's speed where the blocked
         # one-thread kernel ran at 0.65x (benchmarks/cpu/flux_ops.txt).
-        assert c.residual is not None
-        r4, g4 = c.grouped(c.residual, "gate")
-        x4, _ = c.grouped(c.x, "gate")
-        out = torch.empty(r4.shape, dtype=c.residual.dtype, device=r4.device)
-        if c.gate.is_none:
-            return torch.add(r4, x4, out=out).reshape(c.shape)
-        torch.mul(g4, x4, out=out)
-        return torch.add(r4, out, out=out).reshape(c.shape)
+        return _whole_residual(c).reshape(c.shape)
 
     @path(
         "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
@@ -274,6 +295,19 @@ class AdaLNResidualModulateOp(CustomOp):
         g, s, t = c.rows("gate"), c.rows("scale"), c.rows("shift")
         out, new_res = kernel(c.residual, c.x, g, s, t, c.eps, c.exact)
         return out.reshape(c.shape), new_res.reshape(c.shape)
+
+    @path(
+        "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
+    def forward_cpu_whole(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
+        # Both meanings over the whole tensor, products and sums in place (eager's bits):
+        # where the blocked kernel loses (quiet, FLUX's size: 0.85x the meaning) this
+        # keeps the meaning's speed with two buffers instead of five.
+        new_res = _whole_residual(c)
+        return _native_modulate(c, new_res, in_place=True).reshape(c.shape), new_res.reshape(
+            c.shape
+        )
 
     @path(
         "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
