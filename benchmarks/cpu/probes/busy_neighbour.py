@@ -12,7 +12,8 @@ started for that phase (``busy``). Cells: median of per-round ratios to the mean
 ratio of best times (>1: faster than the meaning). Load average per phase.
 
 Cases: every op of ``op_costs.py --model wan`` and ``--model flux`` (their shapes), in
-each precision of ``--precisions``.
+each precision of ``--precisions``; the estimate and block-sparse attention at Wan's
+attention (``attention_cases``; fast only, as their paths).
 
 The op-level memory-bound cases (FLUX's adaLN ops: 28 MB per tensor) swing with glibc's
 heap: a freed block at the top of the heap is returned to the system past the trim
@@ -54,12 +55,31 @@ def cases(only: str | None, precisions: tuple[str, ...]) -> Iterator[tuple[str, 
             op = fn.op  # public ops are functions; the module is fn.op
             for precision in precisions:
                 yield f"{model} {name}", precision, op, op.prepare(*args, **kw)
+    if only in (None, "attention") and "fast" in precisions:  # their paths are fast-only
+        yield from attention_cases()
+
+
+def attention_cases() -> Iterator[tuple[str, str, Any, Any]]:
+    """The sparse ops at Wan's attention (21 x 16 x 24 tokens, 12 heads of 128, bf16, the
+    video-like generator's q/k/v): the estimate at keep 0.25 with the first frame forced,
+    and block-sparse attention on that mask (its meaning: masked dense attention)."""
+    from ditops.bench.video_attention import SHAPES, video_attention
+    from ditops.ops.block_sparse_attention import block_sparse_attention
+    from ditops.ops.estimate_block_mask import estimate_block_mask
+
+    frames, h, w = SHAPES["wan"]
+    q, k, v = video_attention(frames, h, w, dtype=torch.bfloat16)
+    est = estimate_block_mask.op.prepare(q, k, keep_ratio=0.25, dense_blocks=-(-h * w // 128))
+    mask, counts = estimate_block_mask.op.forward_native(est)
+    yield "wan estimate_block_mask", "fast", estimate_block_mask.op, est
+    bsa = block_sparse_attention.op
+    yield "wan block_sparse_attention", "fast", bsa, bsa.prepare(q, k, v, mask, counts)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
-    parser.add_argument("--only", choices=("wan", "flux"), default=None)
+    parser.add_argument("--only", choices=("wan", "flux", "attention"), default=None)
     parser.add_argument("--ops", default="", help="comma-separated substrings of case names")
     parser.add_argument("--precisions", default="exact,fast", help="comma-separated")
     parser.add_argument("--phases", default="quiet,busy", help="comma-separated: quiet, busy")
