@@ -51,7 +51,7 @@ def test_help_shows_parameters_and_meaning(name: str) -> None:
     doc = inspect.getdoc(fn) or ""
     for section in SECTIONS:
         assert f"{section}" in doc, f"ditops.{name}'s docstring has no {section!r} part"
-    for spec in type(fn.op)._specs.values():  # the generated paths name every declared path
+    for spec in type(fn.op).declared_paths.values():  # the generated paths name every declared path
         assert spec.name in doc
     # Every parameter is described in the docstring, not only listed in the signature.
     for param in inspect.signature(fn).parameters:

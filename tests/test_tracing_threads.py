@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import ditops.core.op as op_module
+import ditops.core.dispatch as dispatch_module
 import ditops.kernels.flex_attention as flex_kernel
 import ditops.ops.block_sparse_attention as bsa_op
 from ditops.ops.block_sparse_attention import CPU_FLEX_MIN_TOKENS, block_sparse_attention
@@ -32,7 +32,7 @@ def test_an_eager_op_call_dispatches_eagerly(
     def traced(*a, **kw):
         raise AssertionError("an eager call took the trace-time dispatch")
 
-    monkeypatch.setattr(op_module, "run_traced", traced)
+    monkeypatch.setattr(dispatch_module, "run_traced", traced)
     x = torch.randn(4, 64, dtype=torch.bfloat16)
     w, b = torch.ones(64), torch.zeros(64)
     with torch.no_grad():

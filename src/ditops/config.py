@@ -49,11 +49,10 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Literal
 
-from ditops.core.registry import registered_ops
 from ditops.tracing import trace_time_constant
 
 Precision = Literal["fast", "exact"]
@@ -245,9 +244,19 @@ def reload() -> Config:
         return _install(cfg)
 
 
+#: The registered op names, handed in by the op registry (:mod:`ditops.core.registry`,
+#: which sits above the settings); ``import ditops`` registers every op.
+_op_names: Callable[[], Iterable[str]] = tuple
+
+
+def know_op_names(names: Callable[[], Iterable[str]]) -> None:
+    """Have the settings check ``DITOPS_CUSTOM_OPS`` names against ``names()``."""
+    global _op_names
+    _op_names = names
+
+
 def _check_op_names(selection: OpsSelection) -> None:
-    # `import ditops` registers every op.
-    selection.check_names(registered_ops())
+    selection.check_names(_op_names())
 
 
 def _updated(

@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from ditops.core.calls import Args, OpCall
 from ditops.core.explain import explain
-from ditops.core.op import NON_FINITE_REASON, BackendUnavailableError, CustomOp, register_op
+from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec, path
+from ditops.core.plan import NON_FINITE_REASON, BackendUnavailableError
 from ditops.core.registry import registered_ops, reset_state
 
 fast_path = path

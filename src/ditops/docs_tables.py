@@ -82,7 +82,7 @@ def _paths_cell(cls: type) -> str:
     """The paths per device kind, kinds that try the same paths on one line."""
     by_paths: dict[tuple[str, ...], list[str]] = {}
     for kind in DEVICE_KINDS:
-        specs = cls._by_kind.get(kind, ())
+        specs = cls.paths_by_kind.get(kind, ())
         if specs:
             by_paths.setdefault(tuple(_path_text(s) for s in specs), []).append(kind)
     lines = [f"{', '.join(kinds)}: {', '.join(paths)}" for paths, kinds in by_paths.items()]

@@ -1,4 +1,4 @@
-"""How a kernel launch picks its config: the hook :mod:`ditops.core.tune` fills.
+"""How a kernel launch picks its config: the hook :mod:`ditops.core.dispatch` fills.
 
 Kernels (``ditops.kernels``) may not import the op core, and the core may not import
 kernels, so the one function between them lives here: a kernel calls :func:`launch` with
@@ -11,16 +11,19 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 Config = dict[str, Any]
-#: ``(kernel, kind, shape, configs, run) -> None``; set by :mod:`ditops.core.tune`.
-Tuner = Callable[[str, str, tuple[int, ...], list[Config], Callable[[Config], None]], None]
+#: ``(kernel, device, shape, configs, run) -> None``; set by :mod:`ditops.core.dispatch`, which
+#: keys its choice on the device's kind (a kernel knows devices, not dispatch's kinds).
+Tuner = Callable[[str, torch.device, tuple[int, ...], list[Config], Callable[[Config], None]], None]
 
 tuner: Tuner | None = None
 
 
 def launch(
     kernel: str,
-    kind: str,
+    device: torch.device,
     shape: tuple[int, ...],
     configs: list[Config],
     run: Callable[[Config], None],
@@ -29,7 +32,7 @@ def launch(
     if tuner is None:
         run(configs[0])
     else:
-        tuner(kernel, kind, shape, configs, run)
+        tuner(kernel, device, shape, configs, run)
 
 
 def warps_and_rows(block_m: int, num_warps: int) -> list[Config]:

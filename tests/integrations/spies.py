@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 import ditops
+from ditops.core import plan
 
 
 def install_spies(
@@ -26,7 +27,7 @@ def install_spies(
 
         spy._ditops_path = original._ditops_path  # type: ignore[attr-defined]
         monkeypatch.setattr(cls, path, spy)
-        cls._plans = {}
+        plan.forget(cls)
     return calls
 
 
@@ -34,8 +35,7 @@ def spy_forward_cpu(monkeypatch: pytest.MonkeyPatch, classes: Iterable[type]) ->
     """For a fixture: yields the calls of each class's ``forward_cpu``, drops every op's
     plans afterwards."""
     yield install_spies(monkeypatch, classes)
-    for cls in ditops.registered_ops().values():
-        cls._plans = {}
+    plan.forget()
 
 
 #: The ops each family's fused forwards run (their forward_cpu is what the parity tests spy on).

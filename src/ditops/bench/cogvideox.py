@@ -31,7 +31,13 @@ from typing import Any
 import torch
 
 from ditops.bench import hunyuan_video as hv
-from ditops.bench.model_runs import build_seeded, interleaved_forwards, size_config
+from ditops.bench.model_runs import (
+    SparseAttentionProbe,
+    build_seeded,
+    interleaved_forwards,
+    size_config,
+    sparse_variants,
+)
 
 BASE_CONFIG: dict[str, Any] = {
     "attention_head_dim": 64,
@@ -88,16 +94,6 @@ def make_inputs(
     }
 
 
-def _variants(block_size: int) -> list[tuple[str, dict[str, Any]]]:
-    from ditops.attention.schedule import BlockSparseConfig
-
-    out: list[tuple[str, dict[str, Any]]] = [("unpatched", {}), ("exact", {"attention": None})]
-    for s in SPARSITIES:
-        cfg = BlockSparseConfig(sparsity=s, block_size=block_size, stride=min(8, block_size))
-        out.append((f"sparse {s}", {"attention": cfg}))
-    return out
-
-
 def run(
     device: torch.device,
     size: str = "small",
@@ -128,7 +124,7 @@ def run(
     dtype = hv.default_dtype(device) if dtype is None else dtype
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, device, dtype)
-    variants = _variants(block_size)
+    variants = sparse_variants(block_size, SPARSITIES)
 
     def use(options: dict[str, Any]) -> None:
         unpatch(model)
@@ -136,7 +132,7 @@ def run(
             patch(model, precision="exact", **options)
 
     def probe(m: Any) -> Any:
-        return hv._Probe(m, device, [b.attn1 for b in m.transformer_blocks])
+        return SparseAttentionProbe(device, [b.attn1 for b in m.transformer_blocks])
 
     outputs, times, probes = interleaved_forwards(
         model, x, device, variants, use, rounds, probe,

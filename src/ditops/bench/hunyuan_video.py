@@ -34,10 +34,11 @@ from typing import Any
 import torch
 
 from ditops.bench.model_runs import (
-    ModuleTimer,
+    SparseAttentionProbe,
     build_seeded,
     interleaved_forwards,
     size_config,
+    sparse_variants,
     timing_summary,
 )
 
@@ -72,19 +73,9 @@ SPARSITIES = (0.5, 0.75)
 PERMUTED_SPARSITY = 0.75
 
 
-def _variants(block_size: int) -> list[tuple[str, dict[str, Any]]]:
-    from ditops.attention.schedule import BlockSparseConfig
-
-    out: list[tuple[str, dict[str, Any]]] = [("unpatched", {}), ("exact", {"attention": None})]
-    for s in SPARSITIES:
-        cfg = BlockSparseConfig(sparsity=s, block_size=block_size, stride=min(8, block_size))
-        out.append((f"sparse {s}", {"attention": cfg}))
-    # The permuted mode at the same density (no step index here: each call clusters from
-    # a cold start, the order choice included, the permuted mode's dearest call).
-    perm = BlockSparseConfig(sparsity=PERMUTED_SPARSITY, block_size=block_size,
-                             stride=min(8, block_size), permute=True)  # fmt: skip
-    out.append((f"sparse {PERMUTED_SPARSITY} perm", {"attention": perm}))
-    return out
+def attentions(model: Any) -> list[Any]:
+    """Every block's ``attn``, the double-stream blocks' then the single-stream ones'."""
+    return [b.attn for b in [*model.transformer_blocks, *model.single_transformer_blocks]]
 
 
 def default_dtype(device: torch.device) -> torch.dtype:
@@ -121,28 +112,6 @@ def make_inputs(
     }
 
 
-class _Probe(ModuleTimer):
-    """Seconds inside the attention modules and the densities of the estimated masks.
-
-    ``modules``: the attention modules to time; None: every block's ``attn`` (HunyuanVideo).
-    """
-
-    def __init__(self, model: Any, device: torch.device, modules: list[Any] | None = None) -> None:
-        from ditops.ops.estimate_block_mask import estimate_block_mask
-
-        self.densities: list[float] = []
-
-        def estimated(_m: Any, _a: Any, out: Any) -> None:
-            mask, counts = out
-            self.densities.append(float(counts.float().mean()) / int(mask.shape[-1]))
-
-        if modules is None:
-            blocks = list(model.transformer_blocks) + list(model.single_transformer_blocks)
-            modules = [b.attn for b in blocks]
-        super().__init__(modules, device)
-        self._handles.append(estimate_block_mask.op.register_forward_hook(estimated))  # fmt: skip
-
-
 def summarise(
     variants: list[tuple[str, dict[str, Any]]],
     outputs: dict[str, torch.Tensor],
@@ -150,7 +119,8 @@ def summarise(
     probes: dict[str, list[Any]],
 ) -> list[dict[str, Any]]:
     """Per variant of :func:`~ditops.bench.model_runs.interleaved_forwards`' run (its
-    ``_Probe`` probes): timings, ratios to ``unpatched``, densities asked and run, drift."""
+    :class:`~ditops.bench.model_runs.SparseAttentionProbe` probes): timings, ratios to
+    ``unpatched``, densities asked and run, drift."""
     from ditops.bench.harness import drift
 
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
@@ -206,7 +176,7 @@ def run(
     dtype = default_dtype(device) if dtype is None else dtype
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, n_text, device, dtype)
-    variants = _variants(block_size)
+    variants = sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY)
 
     def use(options: dict[str, Any]) -> None:
         unpatch(model)
@@ -214,9 +184,17 @@ def run(
             patch(model, precision="exact", **options)
 
     outputs, times, probes = interleaved_forwards(
-        model, x, device, variants, use, rounds, lambda m: _Probe(m, device),
-        desc="hunyuan_video", progress=progress, reset=lambda: unpatch(model),
-    )  # fmt: skip
+        model,
+        x,
+        device,
+        variants,
+        use,
+        rounds,
+        lambda m: SparseAttentionProbe(device, attentions(m)),
+        desc="hunyuan_video",
+        progress=progress,
+        reset=lambda: unpatch(model),
+    )
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
     summary = summarise(variants, outputs, times, probes)
     frames, h, w = latent

@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from ditops.bench import hunyuan_video as hv
-from ditops.bench.model_runs import build_seeded, interleaved_forwards, size_config
+from ditops.bench.model_runs import (
+    SparseAttentionProbe,
+    build_seeded,
+    interleaved_forwards,
+    size_config,
+    sparse_variants,
+)
 
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 128,
@@ -111,7 +117,7 @@ def run(
     dtype = hv.default_dtype(device) if dtype is None else dtype
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, n_text, device, dtype)
-    variants = hv._variants(block_size)
+    variants = sparse_variants(block_size, hv.SPARSITIES, hv.PERMUTED_SPARSITY)
 
     def use(options: dict[str, Any]) -> None:
         unpatch(model)
@@ -120,7 +126,7 @@ def run(
 
     outputs, times, probes = interleaved_forwards(
         model, x, device, variants, use, rounds,
-        lambda m: hv._Probe(m, device, self_attentions(m)),
+        lambda m: SparseAttentionProbe(device, self_attentions(m)),
         desc="ltx_video", progress=progress, reset=lambda: unpatch(model),
     )  # fmt: skip
     attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}

@@ -77,6 +77,44 @@ class ModuleTimer:
             h.remove()
 
 
+def sparse_variants(
+    block_size: int, sparsities: Iterable[float], permuted: float | None = None
+) -> list[tuple[str, dict[str, Any]]]:
+    """A sparse-attention model bench's variants: unpatched, exact, one block-sparse
+    variant per sparsity and, with ``permuted``, the permuted mode at that sparsity (no
+    step index here: each call clusters from a cold start, the order choice included,
+    the permuted mode's dearest call)."""
+    from ditops.attention.schedule import BlockSparseConfig
+
+    out: list[tuple[str, dict[str, Any]]] = [("unpatched", {}), ("exact", {"attention": None})]
+    stride = min(8, block_size)
+    for s in sparsities:
+        cfg = BlockSparseConfig(sparsity=s, block_size=block_size, stride=stride)
+        out.append((f"sparse {s}", {"attention": cfg}))
+    if permuted is not None:
+        perm = BlockSparseConfig(
+            sparsity=permuted, block_size=block_size, stride=stride, permute=True
+        )
+        out.append((f"sparse {permuted} perm", {"attention": perm}))
+    return out
+
+
+class SparseAttentionProbe(ModuleTimer):
+    """Seconds inside the attention ``modules`` and the densities of the estimated masks."""
+
+    def __init__(self, device: torch.device, modules: list[Any]) -> None:
+        from ditops.ops.estimate_block_mask import estimate_block_mask
+
+        self.densities: list[float] = []
+
+        def estimated(_m: Any, _a: Any, out: Any) -> None:
+            mask, counts = out
+            self.densities.append(float(counts.float().mean()) / int(mask.shape[-1]))
+
+        super().__init__(modules, device)
+        self._handles.append(estimate_block_mask.op.register_forward_hook(estimated))
+
+
 def interleaved_forwards(
     model: Any,
     x: dict[str, torch.Tensor],

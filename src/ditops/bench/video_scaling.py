@@ -49,7 +49,7 @@ from ditops.bench import cogvideox as cv
 from ditops.bench import hunyuan_video as hv
 from ditops.bench import ltx_video as ltx
 from ditops.bench import wan, wan_model
-from ditops.bench.model_runs import timed_forward
+from ditops.bench.model_runs import SparseAttentionProbe, timed_forward
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 #: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
@@ -97,7 +97,7 @@ FAMILIES: dict[str, Family] = {
                           "num_single_layers": 0, **o},
         build=lambda device, dtype, config: hv.build_model(device, dtype, **config),
         inputs=hv.make_inputs,
-        attention=lambda model: None,  # hv._Probe's default: every block's attn
+        attention=hv.attentions,
         patch=lambda config: (config["patch_size"], config["patch_size"]),
         default_dtype=hv.default_dtype,
         targets=TARGETS,
@@ -199,7 +199,7 @@ def run(
                     unpatch(model)
                     if cfg is not None:
                         patch(model, precision="exact", attention=cfg)
-                    probe = hv._Probe(model, device, fam.attention(model))
+                    probe = SparseAttentionProbe(device, fam.attention(model))
                     try:
                         _, seconds = timed_forward(model, x, device)
                     finally:

@@ -6,6 +6,7 @@ from collections.abc import Iterable
 
 from ditops import config
 from ditops.core.paths import NATIVE, Decision
+from ditops.core.plan import make_plan
 from ditops.core.registry import registered_ops
 from ditops.platform import DEVICE_KINDS
 
@@ -31,7 +32,7 @@ def explain(
         raise ValueError(f"precision must be one of {config.PRECISIONS}, got {prec!r}")
     cfg = config.get()
     return [
-        ops[n]._make_plan(kind, prec, cfg, quiet=True).decision for n in names for kind in kinds
+        make_plan(ops[n], kind, prec, cfg, quiet=True).decision for n in names for kind in kinds
     ]
 
 

@@ -57,7 +57,7 @@ def public_op(op: CustomOp) -> Callable[[F], F]:
 def paths_section(cls: type[CustomOp]) -> str:
     """The op's declared paths in words (generated: it cannot drift from the code)."""
     lines = ["Paths (declared; ``ditops info`` says which one runs on this machine):", ""]
-    for spec in cls._specs.values():  # what each takes, as ``ditops info`` says it
+    for spec in cls.declared_paths.values():  # what each takes, as ``ditops info`` says it
         lines.append(f"- {', '.join(spec.kinds)}: ``{spec.name}`` ({spec.accepts()})")
     lines.append(f"- any other call: ``{NATIVE}``, the meaning")
     return "\n".join(lines)

@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
-import torch
-
+from ditops import config
 from ditops.backends.base import all_backends
+from ditops.core.declared import Declared
 
-if TYPE_CHECKING:
-    from ditops.core.op import CustomOp
+logger = logging.getLogger("ditops")
 
 
 class _State:
@@ -27,10 +26,10 @@ class _State:
 
 
 STATE = _State()
-_registry: dict[str, type[CustomOp]] = {}
+_registry: dict[str, type[Declared]] = {}
 
 
-def add(name: str, cls: type[CustomOp]) -> None:
+def add(name: str, cls: type[Declared]) -> None:
     """Record ``cls`` under ``name`` (see :func:`ditops.core.op.register_op`)."""
     existing = _registry.get(name)
     if existing is not None and existing is not cls:
@@ -41,7 +40,7 @@ def add(name: str, cls: type[CustomOp]) -> None:
     _registry[name] = cls
 
 
-def registered_ops() -> dict[str, type[CustomOp]]:
+def registered_ops() -> dict[str, type[Declared]]:
     """All registered op classes by name."""
     return dict(_registry)
 
@@ -58,13 +57,12 @@ def reset_state() -> None:
         STATE.version += 1
     for backend in all_backends():
         backend.reset()
-    for cls in _registry.values():
-        cls._plans = {}
     for forget in _on_reset:
         forget()
 
 
-#: Called by :func:`reset_state` (the tuner's in-memory choices register here).
+#: Called by :func:`reset_state` (the cached plans and the tuner's in-memory choices
+#: register here).
 _on_reset: list[Callable[[], None]] = []
 
 
@@ -73,8 +71,14 @@ def on_reset(fn: Callable[[], None]) -> None:
     _on_reset.append(fn)
 
 
-def finite(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
-    """0-d bool: no NaN/inf in ``tensors``. One ``aminmax`` per tensor: a single read, no
-    temporary, no overflow (a sum in fp16 could overflow)."""
-    flags = [torch.isfinite(torch.stack(torch.aminmax(t))).all() for t in tensors if t.numel()]
-    return torch.stack(flags).all() if flags else torch.tensor(True)
+def warn_once(op_name: str, backend: str, message: str) -> None:
+    """One warning per (op, backend) per process: the op falls back to its meaning."""
+    key = (op_name, backend)
+    with STATE.lock:
+        if key in STATE.warned:
+            return
+        STATE.warned.add(key)
+    logger.warning("ditops op %r falls back to forward_native: %s", op_name, message)
+
+
+config.know_op_names(lambda: _registry)  # the settings check op names against these

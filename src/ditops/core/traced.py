@@ -1,24 +1,23 @@
 """Dispatch inside ``torch.compile``: the choice is made at trace time and becomes part of
-the graph (see :meth:`ditops.core.op.CustomOp.run`)."""
+the graph (see :func:`ditops.core.dispatch.run`)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ditops import config
 from ditops.core.calls import Args, OpCall, invoke
+from ditops.core.declared import Declared
+from ditops.core.fallback import mended, run_meaning
 from ditops.core.paths import PathSpec, runner
-from ditops.core.registry import finite
+from ditops.core.plan import call_reasons, finite, guarded_inputs, guards, plan
 from ditops.tracing import trace_time_constant
 
-if TYPE_CHECKING:
-    from ditops.core.op import CustomOp
 
-
-def run_traced(op: CustomOp, kind: str, call: OpCall, module_precision: str | None) -> Any:
+def run_traced(op: Declared, kind: str, call: OpCall, module_precision: str | None) -> Any:
     """Dispatch inside ``torch.compile``: the static choice is made in plain Python at
     trace time (:func:`traced_paths`: no lock, probe or warning is traced) and the
     graph is guarded on the values it read (precision, the thread's settings). A
@@ -28,19 +27,18 @@ def run_traced(op: CustomOp, kind: str, call: OpCall, module_precision: str | No
     precision = module_precision or cfg.precision
     names = traced_paths(type(op), kind, precision, cfg.custom_ops.text, cfg.strict)
     for name in filter(None, names.split(",")):
-        spec = type(op)._specs[name]
-        if op._call_reasons(spec, kind, call):
+        spec = type(op).declared_paths[name]
+        if call_reasons(op, spec, kind, call):
             continue
         call.exact = precision == "exact"
-        if kind != "cpu" or not op._guards(spec, kind):
-            return op._mended(
-                spec, kind, call, runner(type(op), spec, isinstance(call, Args))(op, call)
-            )
+        if kind != "cpu" or not guards(op, spec):
+            out = runner(type(op), spec, isinstance(call, Args))(op, call)
+            return mended(op, spec, kind, call, out)
         return cond_on_finite(op, spec, call)
-    return invoke(type(op)._native, op, call)  # type: ignore[arg-type]
+    return run_meaning(op, call)
 
 
-def cond_on_finite(op: CustomOp, spec: PathSpec, call: OpCall) -> Any:
+def cond_on_finite(op: Declared, spec: PathSpec, call: OpCall) -> Any:
     """No data-dependent branch in a graph: torch.cond picks the meaning when a guarded
     input holds NaN/inf. Its branches return outputs flat (it cannot prove symbolic
     strides dense), shaped back after."""
@@ -55,16 +53,16 @@ def cond_on_finite(op: CustomOp, spec: PathSpec, call: OpCall) -> Any:
 
     get = call.get if isinstance(call, Args) else lambda n: getattr(call, n)
     operands = tuple(get(n) for n in names)
-    native = type(op)._native
-    out = torch.cond(finite(op._guarded(call)), flat(spec.fn), flat(native), operands)  # type: ignore[arg-type]
+    meaning = type(op).meaning
+    out = torch.cond(finite(guarded_inputs(op, call)), flat(spec.fn), flat(meaning), operands)
     return out.view(shape)
 
 
 @trace_time_constant
 def traced_paths(
-    cls: type[CustomOp], kind: str, precision: str, custom_ops: str, strict: bool
+    cls: type[Declared], kind: str, precision: str, custom_ops: str, strict: bool
 ) -> str:
     """The usable paths of ``cls`` for ``kind`` (names, comma-separated), for a graph being
     traced: plain Python at trace time. ``custom_ops`` and ``strict`` are not read here
     (the plan reads the thread's settings): passing them guards the graph on them."""
-    return ",".join(spec.name for spec, _ in cls._plan(kind, precision).paths)
+    return ",".join(spec.name for spec, _ in plan(cls, kind, precision).paths)

@@ -3,7 +3,7 @@
 Which path is fastest depends on the machine (AMX or not, AVX-512 or not), on its load
 and on the shape, so a fixed order written on one machine is wrong on the next. When
 more than one path can serve a call under the precision in force, the dispatcher
-(:meth:`ditops.core.op.CustomOp.run`) asks this module. The competitors are the op's
+(:func:`ditops.core.dispatch.run`) asks this module. The competitors are the op's
 usable paths for the device kind and, unless the op opts out
 (:attr:`~ditops.core.op.CustomOp.meaning_competes`: its meaning is a memory-bounded
 oracle, not a contender), the meaning itself. In ``exact`` precision only paths that
@@ -50,26 +50,21 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ditops import config
-from ditops import launch as launch_hook
 from ditops.core import registry
 from ditops.core.tune_cache import CPU_FLAGS, Choice, cache_file, cpu_flags, fingerprint
 
 __all__ = ["CPU_FLAGS", "Choice", "cache_file", "cpu_flags", "fingerprint"]
-from ditops.core.calls import OpCall, invoke
+from ditops.core.calls import OpCall
 from ditops.core.checks import dtype_name
+from ditops.core.declared import Declared
+from ditops.core.fallback import after_failure, mended, run_meaning, run_path
 from ditops.core.paths import NATIVE
-
-if TYPE_CHECKING:
-    from ditops.core.op import CustomOp
-
-#: The dispatcher's cached plan for (op, kind, precision) (``ditops.core.op``): its usable
-#: paths, ``exact``, ``decision`` and ``competitors`` are read here.
-_Plan = Any
+from ditops.core.plan import Plan, call_reasons
 
 logger = logging.getLogger("ditops")
 
@@ -242,7 +237,7 @@ def forget() -> None:
         _table.warned = False
 
 
-def recorded(op: CustomOp, kind: str, plan: _Plan, call: OpCall) -> Choice | None:
+def recorded(op: Declared, kind: str, plan: Plan, call: OpCall) -> Choice | None:
     """The choice that applies to this call's class, if one is recorded (for
     explanations: nothing is timed)."""
     key = class_key(op.op_name, kind, plan.decision.precision, call.tensors())
@@ -258,9 +253,7 @@ def _sync(kind: str) -> None:
         torch.accelerator.synchronize()
 
 
-def dispatch(
-    op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor]
-) -> Any:
+def dispatch(op: Declared, kind: str, plan: Plan, call: OpCall, tensors: list[torch.Tensor]) -> Any:
     """Run the call on its class's tuned winner, or time the competitors (``on``) on an
     untuned class; :data:`STATIC` when the static choice should run instead."""
     outer = deciding()  # a path may call another op
@@ -272,7 +265,7 @@ def dispatch(
 
 
 def _dispatch(
-    op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor]
+    op: Declared, kind: str, plan: Plan, call: OpCall, tensors: list[torch.Tensor]
 ) -> Any:
     cfg = config.get()
     key = class_key(op.op_name, kind, plan.decision.precision, tensors)
@@ -293,23 +286,23 @@ def _dispatch(
 
 
 def _run_winner(
-    op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor], name: str
+    op: Declared, kind: str, plan: Plan, call: OpCall, tensors: list[torch.Tensor], name: str
 ) -> Any:
     if name == NATIVE:
-        return invoke(type(op)._native, op, call)  # type: ignore[arg-type]
+        return run_meaning(op, call)
     for spec, fn in plan.paths:
         if spec.name == name:
-            if op._call_reasons(spec, kind, call, tensors):
+            if call_reasons(op, spec, kind, call, tensors):
                 return STATIC
             call.exact = plan.exact
-            return op._run_path(kind, spec, fn, call)
+            return run_path(op, kind, spec, fn, call)
     return STATIC  # not usable any more (broken, disabled): the static walk
 
 
 def _measure(
-    op: CustomOp,
+    op: Declared,
     kind: str,
-    plan: _Plan,
+    plan: Plan,
     call: OpCall,
     tensors: list[torch.Tensor],
     key: str,
@@ -317,17 +310,17 @@ def _measure(
 ) -> Any:
     runs: list[tuple[str, Callable[[], Any]]] = []
     for spec, fn in plan.paths:
-        if op._call_reasons(spec, kind, call, tensors):
+        if call_reasons(op, spec, kind, call, tensors):
             return STATIC  # not every competitor can take this call: time a later one
         runs.append((spec.name, functools.partial(fn, op, call)))
     if NATIVE in plan.competitors:
-        runs.append((NATIVE, functools.partial(invoke, type(op)._native, op, call)))
+        runs.append((NATIVE, functools.partial(run_meaning, op, call)))
     # The static choice (what DITOPS_TUNE=off takes: static preferences count) runs first
     # and its output is this call's result.
     _deciding.on = False
     try:
         static = next(
-            (s for s, _ in plan.paths if not op._call_reasons(s, kind, call, tensors)), None
+            (s for s, _ in plan.paths if not call_reasons(op, s, kind, call, tensors)), None
         )
     finally:
         _deciding.on = True
@@ -340,8 +333,8 @@ def _measure(
         try:
             result = runs[0][1]()
         except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
-            return op._after_failure(kind, static, exc, call)
-        result = op._mended(static, kind, call, result)
+            return after_failure(op, kind, static, exc, call)
+        result = mended(op, static, kind, call, result)
     best = _race(kind, key, runs, warmed=1)
     _decide(key, runs[0][0], plan.competitors, best, cfg)
     return result
@@ -456,5 +449,4 @@ def launch_config(
             _table.busy.discard(key)
 
 
-launch_hook.tuner = launch_config  # kernels reach the tuner through ditops.launch
 registry.on_reset(forget)

@@ -1,13 +1,17 @@
-"""Argument checks the two attention ops share (q/k/v, layout, heads, block size, scale)."""
+"""The two attention ops' call records, and the argument checks they share (q/k/v, layout,
+heads, block size, scale)."""
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
-from ditops.attention.layout import LAYOUTS
+from ditops.attention.layout import LAYOUTS, to_bnsd
+from ditops.attention.selection import BlockSelection
+from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, check_choice, check_int
 
 
@@ -77,3 +81,45 @@ def softmax_scale(qb: torch.Tensor, scale: float | None) -> float:
 def from_bnsd(out: torch.Tensor, layout: str) -> torch.Tensor:
     """A BNSD result in ``layout`` (contiguous)."""
     return out if layout == "BNSD" else out.transpose(1, 2).contiguous()
+
+
+@dataclass(slots=True)
+class AttentionCall(OpCall):
+    q: torch.Tensor  # as given, in ``layout``
+    k: torch.Tensor
+    v: torch.Tensor
+    mask: torch.Tensor  # [B, Nq, Qb, >=KVb], checked against counts
+    counts: torch.Tensor
+    layout: str
+    scale: float | None
+    causal: bool
+    block_size: int
+
+    @property
+    def qb(self) -> torch.Tensor:
+        return to_bnsd(self.q, self.layout)
+
+    @property
+    def kb(self) -> torch.Tensor:
+        return to_bnsd(self.k, self.layout)
+
+    @property
+    def vb(self) -> torch.Tensor:
+        return to_bnsd(self.v, self.layout)
+
+
+@dataclass(slots=True)
+class EstimateCall(OpCall):
+    q: torch.Tensor  # as given, in ``layout``
+    k: torch.Tensor
+    qb: torch.Tensor  # BNSD views
+    kb: torch.Tensor
+    layout: str
+    block_size: int
+    stride: int
+    scale: float | None
+    sel: BlockSelection
+
+    def score_scale(self) -> float:
+        """Scores use ``scale / stride`` (``scale`` defaults to ``D ** -0.5``)."""
+        return softmax_scale(self.qb, self.scale) / self.stride

@@ -14,7 +14,7 @@ were never documented to work there.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -22,11 +22,7 @@ from ditops.attention.block_mask import num_blocks, row_counts
 from ditops.attention.estimate import force_dense_blocks
 from ditops.attention.selection import BlockSelection, block_budget, selection_of
 from ditops.backends.npu import NpuCall, npu_kernel
-from ditops.ops.attention_args import softmax_scale
-
-if TYPE_CHECKING:
-    from ditops.ops.block_sparse_attention import AttentionCall
-    from ditops.ops.estimate_block_mask import EstimateCall
+from ditops.ops.attention_args import AttentionCall, EstimateCall, softmax_scale
 
 NPU_ESTIMATE = npu_kernel(
     "sparse_block_estimate", current=("sparse_block_estimate",), legacy=("sparse_block_estimate",)

@@ -37,8 +37,6 @@ high-precision path).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -48,12 +46,12 @@ from ditops.attention.reference import block_sparse_attention_reference
 from ditops.backends.inductor_cpu import INDUCTOR_CPU, amx_tiles
 from ditops.backends.triton import TRITON
 from ditops.core import tune
-from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_flag
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
 from ditops.core.public import public_op
 from ditops.ops.attention_args import (
+    AttentionCall,
     check_block_size,
     check_heads,
     check_layout,
@@ -85,31 +83,6 @@ NPU_FP16_LOGIT_ATOL = 2.0**-10
 #: shape takes seconds (5-10 s on 2 cores), which pays off on video-length sequences
 #: only; shorter ones take the gathered-SDPA path, which compiles nothing.
 CPU_FLEX_MIN_TOKENS = 4096
-
-
-@dataclass(slots=True)
-class AttentionCall(OpCall):
-    q: torch.Tensor  # as given, in ``layout``
-    k: torch.Tensor
-    v: torch.Tensor
-    mask: torch.Tensor  # [B, Nq, Qb, >=KVb], checked against counts
-    counts: torch.Tensor
-    layout: str
-    scale: float | None
-    causal: bool
-    block_size: int
-
-    @property
-    def qb(self) -> torch.Tensor:
-        return to_bnsd(self.q, self.layout)
-
-    @property
-    def kb(self) -> torch.Tensor:
-        return to_bnsd(self.k, self.layout)
-
-    @property
-    def vb(self) -> torch.Tensor:
-        return to_bnsd(self.v, self.layout)
 
 
 def _blocks_with_non_finite(t: torch.Tensor, block_size: int, blocks: int) -> torch.Tensor:

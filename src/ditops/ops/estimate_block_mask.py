@@ -20,8 +20,6 @@ break near-ties differently.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from ditops.attention.estimate import block_scores as native_block_scores
@@ -35,18 +33,17 @@ from ditops.attention.methods import (
 from ditops.attention.selection import BlockSelection, mask_without_scores
 from ditops.backends.inductor_cpu import amx_tiles
 from ditops.backends.triton import TRITON
-from ditops.core.calls import OpCall
 from ditops.core.checks import FLOATS, HALF, check_int
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
 from ditops.core.public import public_op
 from ditops.ops.attention_args import (
+    EstimateCall,
     check_block_size,
     check_heads,
     check_layout,
     check_qkv,
     check_scale,
-    softmax_scale,
 )
 from ditops.ops.attention_npu import NPU_ESTIMATE, estimate_reasons, npu_estimate
 from ditops.platform import cpu_half_matmuls_slow
@@ -54,23 +51,6 @@ from ditops.platform import cpu_half_matmuls_slow
 #: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
 #: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
 TRITON_ESTIMATE_MAX_CELLS = 128
-
-
-@dataclass(slots=True)
-class EstimateCall(OpCall):
-    q: torch.Tensor  # as given, in ``layout``
-    k: torch.Tensor
-    qb: torch.Tensor  # BNSD views
-    kb: torch.Tensor
-    layout: str
-    block_size: int
-    stride: int
-    scale: float | None
-    sel: BlockSelection
-
-    def score_scale(self) -> float:
-        """Scores use ``scale / stride`` (``scale`` defaults to ``D ** -0.5``)."""
-        return softmax_scale(self.qb, self.scale) / self.stride
 
 
 def cpu_estimate_reasons(c: EstimateCall) -> list[str]:

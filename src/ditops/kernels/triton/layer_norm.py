@@ -51,7 +51,6 @@ from torch import Tensor
 
 from ditops import launch
 from ditops.kernels.opaque import opaque_op
-from ditops.platform import device_kind
 
 # The interpreter truncates fp32 -> bf16 casts; GPUs round to nearest even (see above).
 EXPLICIT_RNE = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") == "1")
@@ -400,7 +399,7 @@ def launch_layer_norm(
 
     shape, configs = (n_rows, c, residual is not None, scale is not None), launch.warps_and_rows(
         block_m, num_warps)  # fmt: skip
-    launch.launch("triton_layer_norm", device_kind(x), shape, configs, run)
+    launch.launch("triton_layer_norm", x.device, shape, configs, run)
 
 
 def check_float(name: str, t: Tensor, device: torch.device) -> None:
