@@ -41,10 +41,12 @@ def test_no_module_imports_the_package_face(path: Path) -> None:
 
 @pytest.mark.parametrize(
     ("folder", "forbidden"),
-    [("kernels", ("ditops.layers", "ditops.integrations", "ditops.bench")),
-     ("layers", ("ditops.integrations", "ditops.bench")),
-     ("attention", ("ditops.layers", "ditops.integrations", "ditops.bench"))],
-)  # fmt: skip
+    [
+        ("kernels", ("ditops.layers", "ditops.integrations", "ditops.bench")),
+        ("layers", ("ditops.integrations", "ditops.bench")),
+        ("attention", ("ditops.layers", "ditops.integrations", "ditops.bench")),
+    ],
+)
 def test_lower_folders_do_not_import_higher_ones(folder: str, forbidden: tuple[str, ...]) -> None:
     for path in (SRC / folder).rglob("*.py"):
         for module, _ in imported(path):
@@ -251,3 +253,28 @@ def test_every_family_is_declared_in_its_own_folder_within_budget() -> None:
     declared = [f for f in FAMILIES if f.name != "generic"]
     assert all(isinstance(f, DeclaredFamily) for f in declared), declared
     assert len({f.name for f in FAMILIES}) == len(FAMILIES)
+
+
+#: The family whose code a family extends (its blocks are copies of the parent's): the one
+#: other family folder it may import. Every other family imports ``shared/`` only.
+FAMILY_PARENTS = {"chroma": "flux", "flux2": "flux", "ltx2": "ltx_video"}
+
+
+def test_a_family_imports_shared_and_at_most_its_declared_parent() -> None:
+    families = {p.parent.name for p in FAMILY_FILES}
+    assert set(FAMILY_PARENTS) <= families and set(FAMILY_PARENTS.values()) <= families
+    reaches = []
+    for family in sorted(families):
+        allowed = {family, "shared", FAMILY_PARENTS.get(family)}
+        for path in (SRC / "integrations" / family).rglob("*.py"):
+            for module, names in imported(path):
+                parts = module.split(".")
+                if module == "ditops.integrations":
+                    used = set(names)
+                elif parts[:2] == ["ditops", "integrations"] and len(parts) > 2:
+                    used = {parts[2]}
+                else:
+                    continue
+                for other in (used & families) - allowed:
+                    reaches.append(f"{path.relative_to(SRC)} imports the family {other}")
+    assert not reaches, "\n".join(reaches)

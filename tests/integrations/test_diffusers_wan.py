@@ -17,7 +17,7 @@ import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError, set_step
-from ditops.integrations.shared.base import ClassSwap
+from ditops.integrations.shared.undo import ClassSwap
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import WAN_OPS, cpu_paths_of
 

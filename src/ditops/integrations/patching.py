@@ -4,7 +4,7 @@
 Mochi, HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
-:mod:`ditops.integrations.shared.base`).
+:mod:`ditops.integrations.shared.undo`).
 
 Calling :func:`patch` again combines: options given in the new call replace the ones in
 force, options left out keep their value, so ``patch(m, precision="exact")`` then
@@ -34,16 +34,13 @@ from ditops.integrations.ltx_video.family import SPEC as LTX_VIDEO
 from ditops.integrations.mochi.family import SPEC as MOCHI
 from ditops.integrations.qwen_image.family import SPEC as QWEN_IMAGE
 from ditops.integrations.sd3.family import SPEC as SD3
-from ditops.integrations.shared.base import (
-    SPARSE_MODELS,
-    ModelFamily,
-    PatchError,
-    PatchOptions,
-    PatchRecord,
-)
+from ditops.integrations.shared.base import ModelFamily
 from ditops.integrations.shared.family import DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily
+from ditops.integrations.shared.options import PatchOptions
+from ditops.integrations.shared.refusals import SPARSE_MODELS, PatchError
 from ditops.integrations.shared.steps import StepState
+from ditops.integrations.shared.undo import PatchRecord
 from ditops.integrations.wan.family import SPEC as WAN
 from ditops.integrations.z_image.family import SPEC as Z_IMAGE
 

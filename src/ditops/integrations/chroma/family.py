@@ -59,7 +59,7 @@ from ditops.integrations.chroma.forwards import (
 )
 from ditops.integrations.flux.family import qk_norm_problems
 from ditops.integrations.flux.forwards import FusedFluxAttnProcessor
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, AdaLNOps
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
@@ -147,7 +147,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedFluxAttnProcessor.wraps: FusedFluxAttnProcessor},
         {"80975ab2f153f684": DIFFUSERS_042},

@@ -1,5 +1,5 @@
 """The fused forwards of a patched Chroma model: the double- and single-stream blocks and
-the output norm on ditops' adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched
+the output norm on ditops' adaLN ops (``adaln_zero.AdaLNOps``, one bundle per patched
 model), their modulations read from the approximator's output (the pruned norms have no
 projection). Attention is FLUX's processor, wrapped by FLUX's
 :class:`~ditops.integrations.flux.forwards.FusedFluxAttnProcessor`. The arithmetic they
@@ -14,17 +14,23 @@ import torch
 from torch import nn
 
 from ditops.integrations.flux.forwards import clip_fp16, double_block_tail
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 
 #: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
-DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-                   "norm2_context")  # fmt: skip
+DOUBLE_BYPASSES = (
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm2",
+    "norm2_context",
+)
 SINGLE_BYPASSES = ("norm", "norm.norm")
 NORM_OUT_BYPASSES = ("norm",)
 
 
 def pruned_modulate(
-    ops: Ops, norm: nn.Module, x: torch.Tensor, emb: torch.Tensor, chunks: int
+    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, emb: torch.Tensor, chunks: int
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``norm(x, emb=emb)`` of a pruned adaLN-Zero norm (``chunks`` 6: the double block's,
     3: the single block's) on the modulate op: ``emb`` ``[B, chunks, C]`` chunked as
@@ -43,7 +49,7 @@ def _pair_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
 
 def double_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -67,7 +73,7 @@ def double_block_forward(
 
 def single_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     temb: torch.Tensor,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -88,7 +94,9 @@ def single_block_forward(
     return clip_fp16(ops.residual(hidden_states, out, gate.unsqueeze(1)))
 
 
-def norm_out_forward(norm: nn.Module, ops: Ops, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+def norm_out_forward(
+    norm: nn.Module, ops: AdaLNOps, x: torch.Tensor, emb: torch.Tensor
+) -> torch.Tensor:
     """``ChromaAdaLayerNormContinuousPruned.forward`` (layer norm without affine) on
     ditops' op: shift first, then scale, cast to x's dtype."""
     shift, scale = torch.chunk(emb.flatten(1, 2).to(x.dtype), 2, dim=1)

@@ -70,8 +70,8 @@ from ditops.integrations.cogvideox.forwards import (
     BLOCK_BYPASSES,
     NORM_OUT_BYPASSES,
     CogVideoXAttnProcessor,
+    CogVideoXOps,
     block_forward,
-    cogvideox_ops,
     norm_out_forward,
 )
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
@@ -175,7 +175,7 @@ SPEC = FamilySpec(
             norms_only=True,
         ),
     ),
-    ops=cogvideox_ops,
+    ops=CogVideoXOps.of,
     attention=Attention(
         {CogVideoXAttnProcessor.wraps: CogVideoXAttnProcessor},
         {"e05d19adb3d69e29": DIFFUSERS_042},

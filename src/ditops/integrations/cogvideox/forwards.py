@@ -1,5 +1,5 @@
 """The fused forwards of a patched CogVideoX model: ``CogVideoXBlock`` and the output norm
-on ditops' modulation ops (:func:`cogvideox_ops`, one bundle per patched model), and
+on ditops' modulation ops (:class:`CogVideoXOps`, one bundle per patched model), and
 :class:`CogVideoXAttnProcessor`, CogVideoX's joint attention with the rotary embedding on
 ditops' op and optional block-sparse attention. The arithmetic they reproduce, and which
 op takes which expression in which dtype, is written out in
@@ -9,17 +9,25 @@ op takes which expression in which dtype, is written out in
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import float64_call
 from ditops.integrations.shared.joint_sparse import joint_sparse_attention
 from ditops.integrations.shared.ops import Ops
-from ditops.integrations.shared.steps import StepState, runs_dense
+from ditops.integrations.shared.processors import WrappingProcessor
+from ditops.integrations.shared.steps import runs_dense
+from ditops.ops.modulation_fp32 import LayerNormScaleShiftOp, ScaleResidualLayerNormScaleShiftOp
+from ditops.ops.modulation_model_dtype import (
+    AdaLNModulateOp,
+    AdaLNResidualModulateOp,
+    AdaLNResidualOp,
+)
+from ditops.ops.qk_norm_rope import RotaryEmbeddingOp
 
 logger = logging.getLogger("ditops")
 
@@ -28,33 +36,27 @@ BLOCK_BYPASSES = ("norm1", "norm1.norm", "norm2", "norm2.norm")
 NORM_OUT_BYPASSES = ("norm",)
 
 
-def cogvideox_ops(precision: str | None) -> Ops:
-    """The ops of one patched CogVideoX model, each with ``precision``: the model-dtype
-    adaLN ops (``modulate``, ``residual``, ``residual_modulate``: norms without affine),
-    the fp32 chain (``ln_modulate``, ``residual_ln_modulate``: affine norms) and ``rope``."""
-    from ditops.ops import modulation_fp32 as fp32
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+@dataclass(eq=False)
+class CogVideoXOps(Ops):
+    """The ops of one patched CogVideoX model: the model-dtype adaLN ops (norms without
+    affine), the fp32 chain (affine norms) and ``rope``."""
 
-    return Ops(
-        precision,
-        modulate=adaln.AdaLNModulateOp,
-        residual=adaln.AdaLNResidualOp,
-        residual_modulate=adaln.AdaLNResidualModulateOp,
-        ln_modulate=fp32.LayerNormScaleShiftOp,
-        residual_ln_modulate=fp32.ScaleResidualLayerNormScaleShiftOp,
-        rope=qk_norm_rope.RotaryEmbeddingOp,
-    )
+    modulate: AdaLNModulateOp
+    residual: AdaLNResidualOp
+    residual_modulate: AdaLNResidualModulateOp
+    ln_modulate: LayerNormScaleShiftOp
+    residual_ln_modulate: ScaleResidualLayerNormScaleShiftOp
+    rope: RotaryEmbeddingOp
 
 
-def _fp32_chain(ops: Ops, x: torch.Tensor) -> bool:
+def _fp32_chain(ops: CogVideoXOps, x: torch.Tensor) -> bool:
     """Whether an affine norm's chain goes on the fp32 ops: in fp32 they are bitwise
     diffusers' expression; in bf16/fp16 only in fast precision (they round once)."""
     return x.dtype == torch.float32 or ops.ln_modulate.resolved_precision() == "fast"
 
 
 def modulate(
-    ops: Ops, norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+    ops: CogVideoXOps, norm: nn.LayerNorm, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
 ) -> torch.Tensor:
     """``norm(x) * (1 + scale) + shift`` (``scale``, ``shift``: ``[B, 1, C]``)."""
     if not norm.elementwise_affine:
@@ -65,7 +67,7 @@ def modulate(
 
 
 def residual_modulate(
-    ops: Ops,
+    ops: CogVideoXOps,
     norm: nn.LayerNorm,
     h: torch.Tensor,
     x: torch.Tensor,
@@ -84,7 +86,7 @@ def residual_modulate(
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: CogVideoXOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -111,13 +113,23 @@ def block_forward(
         6, dim=1
     )
     n, hidden_states = residual_modulate(
-        ops, norm2.norm, hidden_states, attn_h, gate[:, None, :], scale[:, None, :],
+        ops,
+        norm2.norm,
+        hidden_states,
+        attn_h,
+        gate[:, None, :],
+        scale[:, None, :],
         shift[:, None, :],
-    )  # fmt: skip
+    )
     e_n, encoder_hidden_states = residual_modulate(
-        ops, norm2.norm, encoder_hidden_states, attn_e, e_gate[:, None, :], e_scale[:, None, :],
+        ops,
+        norm2.norm,
+        encoder_hidden_states,
+        attn_e,
+        e_gate[:, None, :],
+        e_scale[:, None, :],
         e_shift[:, None, :],
-    )  # fmt: skip
+    )
     ff_output = block.ff(torch.cat([e_n, n], dim=1))
     hidden_states = ops.residual(hidden_states, ff_output[:, text:], gate_ff[:, None, :])
     encoder_hidden_states = ops.residual(
@@ -128,7 +140,7 @@ def block_forward(
 
 def norm_out_forward(
     norm: nn.Module,
-    ops: Ops,
+    ops: CogVideoXOps,
     x: torch.Tensor,
     timestep: torch.Tensor | None = None,
     temb: torch.Tensor | None = None,
@@ -163,24 +175,8 @@ class CogVideoXAttnProcessor(WrappingProcessor):
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.attention_processor", "CogVideoXAttnProcessor2_0")
 
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: StepState | None = None,
-        sparse: nn.Module | None = None,
-    ) -> None:
-        if sparse is not None and steps is None:
-            raise ValueError("CogVideoXAttnProcessor: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            from diffusers.models.attention_processor import CogVideoXAttnProcessor2_0
-
-            original = CogVideoXAttnProcessor2_0()
-        super().__init__(original)
-        self.ops = ops
-        self.steps = steps
-        self.sparse = sparse
-        self.said_mask = False
+    ops: CogVideoXOps | None
+    said_mask = False  # warned once that a mask made a sparse step run dense
 
     def __call__(
         self,

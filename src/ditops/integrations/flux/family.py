@@ -60,7 +60,7 @@ from ditops.integrations.flux.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_blocks,
     relied_on_norms,
     zero_norm_problem,
@@ -146,7 +146,7 @@ SPEC = FamilySpec(
         ),
         norm_out_blocks(),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedFluxAttnProcessor.wraps: FusedFluxAttnProcessor},
         {"80975ab2f153f684": DIFFUSERS_042},

@@ -1,5 +1,5 @@
 """The fused forwards of a patched FLUX model: the double- and single-stream blocks and
-on ditops' adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched model), and
+on ditops' adaLN ops (``adaln_zero.AdaLNOps``, one bundle per patched model), and
 :class:`FusedFluxAttnProcessor`, FLUX's attention with the prologue on ``qk_norm_rope``.
 The arithmetic they reproduce is written out in :mod:`ditops.integrations.flux.family`, which
 checks a model and installs these (through
@@ -13,17 +13,22 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.base import DenseProcessor
+from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 from ditops.integrations.shared.guard import Bypass, float64_call
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.processors import DenseProcessor
 
 #: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
 FP16_MAX = 65504.0
 
 #: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
-DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-                   "norm2_context")  # fmt: skip
+DOUBLE_BYPASSES = (
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm2",
+    "norm2_context",
+)
 SINGLE_BYPASSES = ("norm", "norm.norm")
 
 
@@ -60,7 +65,7 @@ def fused_tables(
 
 
 def norm_rope(
-    ops: Ops,
+    ops: AdaLNOps,
     attn: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -74,7 +79,7 @@ def norm_rope(
 
 
 def _norm_rope_joint(
-    ops: Ops,
+    ops: AdaLNOps,
     attn: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -95,7 +100,7 @@ def _norm_rope_joint(
 
 
 def fused_qkv(
-    ops: Ops, attn: nn.Module, projections: tuple, tables: tuple[torch.Tensor, torch.Tensor]
+    ops: AdaLNOps, attn: nn.Module, projections: tuple, tables: tuple[torch.Tensor, torch.Tensor]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """q, k, v ``[B, L, H, D]`` of FLUX's and FLUX.2's joint or single-stream attention,
     from diffusers' ``_get_qkv_projections`` (six tensors): the prologue on the fused
@@ -113,7 +118,7 @@ def fused_qkv(
 
 def double_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -138,7 +143,7 @@ def double_block_forward(
 
 def double_block_tail(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     outputs: tuple[torch.Tensor, ...],
@@ -163,15 +168,19 @@ def double_block_tail(
     if ip_attn_output is not None:
         hidden_states = hidden_states + ip_attn_output
     encoder_hidden_states = mlp_half(
-        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        ops,
+        encoder_hidden_states,
+        context_attn_output,
+        c_emb,
+        block.norm2_context,
         block.ff_context,
-    )  # fmt: skip
+    )
     return clip_fp16(encoder_hidden_states), hidden_states
 
 
 def single_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,

@@ -80,7 +80,7 @@ from ditops.integrations.flux2.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_blocks,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
@@ -141,7 +141,7 @@ SPEC = FamilySpec(
         ),
         norm_out_blocks(),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedFlux2AttnProcessor.wraps: FusedFlux2AttnProcessor,
          FusedFlux2ParallelSelfAttnProcessor.wraps: FusedFlux2ParallelSelfAttnProcessor},

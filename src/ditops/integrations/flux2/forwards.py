@@ -1,5 +1,5 @@
 """The fused forwards of a patched FLUX.2 model: the double-stream and the parallel
-single-stream blocks on ditops' adaLN ops (``adaln_zero.adaln_ops``, one bundle per
+single-stream blocks on ditops' adaLN ops (``adaln_zero.AdaLNOps``, one bundle per
 patched model), and FLUX.2's two attention processors with the q/k prologue on
 ``qk_norm_rope``. The arithmetic they reproduce is written out in
 :mod:`ditops.integrations.flux2.family`, which checks a model and installs these.
@@ -19,9 +19,9 @@ from ditops.integrations.flux.forwards import (
     norm_rope,
     prologue_bypass,
 )
-from ditops.integrations.shared.base import DenseProcessor
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.guard import float64_call
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.processors import DenseProcessor
 
 #: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
 DOUBLE_BYPASSES = ("norm1", "norm1_context", "norm2", "norm2_context")
@@ -39,7 +39,7 @@ def _split(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]
 
 
 def _stream(
-    ops: Ops,
+    ops: AdaLNOps,
     h: torch.Tensor,
     attn_output: torch.Tensor,
     mods: tuple,
@@ -55,7 +55,7 @@ def _stream(
 
 def double_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb_mod_img: torch.Tensor,
@@ -79,15 +79,19 @@ def double_block_forward(
     )
     hidden_states = _stream(ops, hidden_states, attn_output, img, block.norm2, block.ff)
     encoder_hidden_states = _stream(
-        ops, encoder_hidden_states, context_attn_output, txt, block.norm2_context,
+        ops,
+        encoder_hidden_states,
+        context_attn_output,
+        txt,
+        block.norm2_context,
         block.ff_context,
-    )  # fmt: skip
+    )
     return clip_fp16(encoder_hidden_states), hidden_states
 
 
 def single_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor | None,
     temb_mod: torch.Tensor,

@@ -37,10 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.joint_sparse import joint_sparse_attention
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.processors import WrappingProcessor
 from ditops.integrations.shared.qk_norms import rms_problems
 from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
@@ -95,7 +95,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     masked as keys and as queries), with the same code as diffusers.
 
     The attention backend and the parallel config live on the wrapped original (see
-    :class:`~ditops.integrations.shared.base.WrappingProcessor`).
+    :class:`~ditops.integrations.shared.processors.WrappingProcessor`).
     """
 
     text_mask_default = False
@@ -105,27 +105,20 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
         "HunyuanVideoAttnProcessor2_0",
     )
 
+    ops: AdaLNOps | None
+
     def __init__(
         self,
         original: Any | None = None,
-        ops: Ops | None = None,
+        ops: AdaLNOps | None = None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
         text_mask: bool | None = None,
     ) -> None:
-        if sparse is not None and steps is None:
-            raise ValueError("HunyuanVideoAttnProcessor: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        if text_mask is None:
-            text_mask = self.text_mask_default
-        super().__init__(original)
-        self.ops = ops
-        self.steps = steps
-        self.sparse = sparse
-        self.text_mask = text_mask
+        super().__init__(original, ops, steps, sparse)
+        self.text_mask = self.text_mask_default if text_mask is None else text_mask
 
-    def _ops_now(self, attn: nn.Module) -> Ops | None:
+    def _ops_now(self, attn: nn.Module) -> AdaLNOps | None:
         """The ops for this call: None while the q/k norms are hooked or replaced (then
         diffusers' norms run, as their hooks expect)."""
         if self.ops is None or _prologue_bypass(attn).problem(attn) is not None:
@@ -191,7 +184,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     def _qkv(
         self,
         attn: nn.Module,
-        ops: Ops | None,
+        ops: AdaLNOps | None,
         hidden_states: torch.Tensor,
         encoder_hidden_states: torch.Tensor,
         rotary: tuple[torch.Tensor, torch.Tensor],
@@ -218,7 +211,7 @@ class HunyuanVideoAttnProcessor(WrappingProcessor):
     def _prologue(
         self,
         attn: nn.Module,
-        ops: Ops | None,
+        ops: AdaLNOps | None,
         q: torch.Tensor,
         k: torch.Tensor,
         tq: torch.Tensor,

@@ -61,7 +61,7 @@ from ditops.integrations.hunyuan_video.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_forward,
     norm_out_problems,
     relied_on_norms,
@@ -183,7 +183,7 @@ SPEC = FamilySpec(
         ),
         NORM_OUT,
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {HunyuanVideoAttnProcessor.wraps: HunyuanVideoAttnProcessor},
         {"14051151be5ee86a": DIFFUSERS_042},

@@ -11,18 +11,23 @@ import torch
 from torch import nn
 
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
-from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 
 #: What each fused forward computes without calling it (see ``guard.Bypass``).
-DOUBLE_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-                   "norm2_context")  # fmt: skip
+DOUBLE_BYPASSES = (
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm2",
+    "norm2_context",
+)
 SINGLE_BYPASSES = ("norm", "norm.norm")
 
 
 def double_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -47,15 +52,19 @@ def double_block_forward(
     )
     hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
     encoder_hidden_states = mlp_half(
-        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        ops,
+        encoder_hidden_states,
+        context_attn_output,
+        c_emb,
+        block.norm2_context,
         block.ff_context,
-    )  # fmt: skip
+    )
     return hidden_states, encoder_hidden_states
 
 
 def single_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,

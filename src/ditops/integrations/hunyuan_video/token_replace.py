@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
-from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
@@ -53,7 +52,7 @@ def _split(
 
 def token_replace_double_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -69,9 +68,13 @@ def token_replace_double_forward(
     tr_shift, tr_scale, tr_gate, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = tr
     n0 = num_tokens
     eps1 = block.norm1.norm.eps
-    n = _split(ops.modulate, n0, (hidden_states,),
-               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
-               eps1)  # fmt: skip
+    n = _split(
+        ops.modulate,
+        n0,
+        (hidden_states,),
+        ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+        eps1,
+    )
     c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
     attn_output, context_attn_output = block.attn(
         hidden_states=n,
@@ -80,25 +83,34 @@ def token_replace_double_forward(
         image_rotary_emb=freqs_cis,
     )
     n, hidden_states = _split(
-        ops.residual_modulate, n0, (hidden_states, attn_output),
-        ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),
-         (tr_scale_mlp[:, None], scale_mlp[:, None]),
-         (tr_shift_mlp[:, None], shift_mlp[:, None])),
+        ops.residual_modulate,
+        n0,
+        (hidden_states, attn_output),
+        (
+            (tr_gate.unsqueeze(1), gate.unsqueeze(1)),
+            (tr_scale_mlp[:, None], scale_mlp[:, None]),
+            (tr_shift_mlp[:, None], shift_mlp[:, None]),
+        ),
         block.norm2.eps,
-    )  # fmt: skip
+    )
     ff = block.ff(n)
-    hidden_states = _split(ops.residual, n0, (hidden_states, ff),
-                           ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),))  # fmt: skip
+    hidden_states = _split(
+        ops.residual, n0, (hidden_states, ff), ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),)
+    )
     encoder_hidden_states = mlp_half(
-        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
+        ops,
+        encoder_hidden_states,
+        context_attn_output,
+        c_emb,
+        block.norm2_context,
         block.ff_context,
-    )  # fmt: skip
+    )
     return hidden_states, encoder_hidden_states
 
 
 def token_replace_single_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -113,12 +125,17 @@ def token_replace_single_forward(
     (shift, scale, gate), (tr_shift, tr_scale, tr_gate) = _embs(
         block.norm, temb, token_replace_emb, 3
     )
-    n = _split(ops.modulate, num_tokens, (residual,),
-               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
-               block.norm.norm.eps)  # fmt: skip
+    n = _split(
+        ops.modulate,
+        num_tokens,
+        (residual,),
+        ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+        block.norm.norm.eps,
+    )
     out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
-    hidden_states = _split(ops.residual, num_tokens, (residual, out),
-                           ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),))  # fmt: skip
+    hidden_states = _split(
+        ops.residual, num_tokens, (residual, out), ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),)
+    )
     return hidden_states[:, :-text], hidden_states[:, -text:]
 
 
@@ -130,12 +147,14 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     known = "diffusers 0.42"
     return {
         "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward, {"25eaa1efca684ee3": known}
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward,
+            {"25eaa1efca684ee3": known},
         ),
         "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward, {"7f1597c9fb4df7d8": known}
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward,
+            {"7f1597c9fb4df7d8": known},
         ),
-    }  # fmt: skip
+    }
 
 
 def norm_problems(block: nn.Module, where: str, double: bool) -> list[str]:

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from ditops.integrations.hunyuan_video.attention import HunyuanVideo15AttnProcessor
 from ditops.integrations.hunyuan_video.family import DOUBLE_BLOCK, NORM_OUT, SPARSE, relied_on
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, AdaLNOps
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec
 
 SPEC = FamilySpec(
@@ -35,7 +35,7 @@ SPEC = FamilySpec(
     # HunyuanVideo15TransformerBlock.forward is HunyuanVideoTransformerBlock.forward
     # character for character: the same fingerprint, the same fused kind.
     blocks=(Blocks(("transformer_blocks",), (DOUBLE_BLOCK,)), NORM_OUT),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {HunyuanVideo15AttnProcessor.wraps: HunyuanVideo15AttnProcessor},
         {"a81a49107227f5da": DIFFUSERS_042},

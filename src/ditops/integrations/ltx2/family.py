@@ -59,7 +59,7 @@ from torch import nn
 
 from ditops.integrations.ltx2.forwards import BLOCK_BYPASSES, LTX2SelfAttnProcessor, block_forward
 from ditops.integrations.ltx_video.family import norm_problems, patch_size, prologue_problems
-from ditops.integrations.ltx_video.forwards import ltx_ops
+from ditops.integrations.ltx_video.forwards import LTXOps
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
 from ditops.integrations.shared.video_sparse import grid_recorder, split_rotary
@@ -105,7 +105,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=ltx_ops,
+    ops=LTXOps.of,
     attention=Attention(
         {LTX2SelfAttnProcessor.wraps: LTX2SelfAttnProcessor},
         {"6527410d3c9c0590": DIFFUSERS_042},

@@ -11,9 +11,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.ltx_video.forwards import LTXSelfAttnProcessor, whole_row_qk
+from ditops.integrations.ltx_video.forwards import LTXOps, LTXSelfAttnProcessor, whole_row_qk
 from ditops.integrations.shared.guard import float64_call
-from ditops.integrations.shared.ops import Ops
 from ditops.integrations.shared.video_sparse import warn_once
 
 #: The norms of each stream (self-attention, text, audio/video cross-attention, ff).
@@ -23,7 +22,7 @@ AUDIO_NORMS = ("audio_norm1", "audio_norm2", "video_to_audio_norm", "audio_norm3
 BLOCK_BYPASSES = VIDEO_NORMS + AUDIO_NORMS
 
 
-def _rms(ops: Ops, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms(ops: LTXOps, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return ops.rms(x, norm.weight, norm.eps, convention="diffusers")
 
 
@@ -31,8 +30,9 @@ def _modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
     return n * (1 + scale) + shift
 
 
-def _text_kv(block: nn.Module, table: torch.Tensor, temb: Any, text: torch.Tensor,
-             like: torch.Tensor) -> torch.Tensor:  # fmt: skip
+def _text_kv(
+    block: nn.Module, table: torch.Tensor, temb: Any, text: torch.Tensor, like: torch.Tensor
+) -> torch.Tensor:
     """The text modulated for the prompt's K/V: per timestep, or by the per-layer table."""
     if temb is not None:
         shift, scale = block.get_mod_params(table, temb, like.size(0))
@@ -55,22 +55,26 @@ class _Stream:
         self.mods = block.get_mod_params(getattr(block, p + "scale_shift_table"), temb, x.size(0))
         self.x = x
 
-    def self_attention(self, ops: Ops, rope: Any, mask: Any, perturbed: dict) -> None:
+    def self_attention(self, ops: LTXOps, rope: Any, mask: Any, perturbed: dict) -> None:
         shift, scale, gate = self.mods[:3]
         n = _modulate(_rms(ops, self.norms[0], self.x), scale, shift)
-        out = self.attn1(hidden_states=n, encoder_hidden_states=None, query_rotary_emb=rope,
-                         attention_mask=mask, **perturbed)  # fmt: skip
+        out = self.attn1(
+            hidden_states=n,
+            encoder_hidden_states=None,
+            query_rotary_emb=rope,
+            attention_mask=mask,
+            **perturbed,
+        )
         self.x = ops.residual(self.x, out, gate)
 
-    def text_attention(self, ops: Ops, text: torch.Tensor, mask: Any) -> None:
+    def text_attention(self, ops: LTXOps, text: torch.Tensor, mask: Any) -> None:
         n = _rms(ops, self.norms[1], self.x)
         if self.adaln:  # LTX-2.3: the text query modulated and gated too
             n = _modulate(n, self.mods[7], self.mods[6])
-        out = self.attn2(n, encoder_hidden_states=text, query_rotary_emb=None,
-                         attention_mask=mask)  # fmt: skip
+        out = self.attn2(n, encoder_hidden_states=text, query_rotary_emb=None, attention_mask=mask)
         self.x = ops.residual(self.x, out, self.mods[8] if self.adaln else None)
 
-    def feed_forward(self, ops: Ops) -> torch.Tensor:
+    def feed_forward(self, ops: LTXOps) -> torch.Tensor:
         shift, scale, gate = self.mods[3:6]
         n = _modulate(_rms(ops, self.norms[3], self.x), scale, shift)
         return ops.residual(self.x, self.ff(n), gate)
@@ -78,7 +82,7 @@ class _Stream:
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: LTXOps,
     hidden_states: torch.Tensor,
     audio_hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
@@ -127,8 +131,10 @@ def block_forward(
     if use_a2v_cross_attention or use_v2a_cross_attention:
         B = hidden_states.size(0)
         vn, an = _rms(ops, v.norms[2], v.x), _rms(ops, a.norms[2], a.x)
-        v_table, a_table = (block.video_a2v_cross_attn_scale_shift_table,
-                            block.audio_a2v_cross_attn_scale_shift_table)  # fmt: skip
+        v_table, a_table = (
+            block.video_a2v_cross_attn_scale_shift_table,
+            block.audio_a2v_cross_attn_scale_shift_table,
+        )
         v_ca = [m.squeeze(2) for m in block.get_mod_params(v_table[:4, :], temb_ca_scale_shift, B)]
         a_ca = [
             m.squeeze(2) for m in block.get_mod_params(a_table[:4, :], temb_ca_audio_scale_shift, B)
@@ -139,17 +145,19 @@ def block_forward(
             out = block.audio_to_video_attn(
                 _modulate(vn, v_ca[0], v_ca[1]),
                 encoder_hidden_states=_modulate(an, a_ca[0], a_ca[1]),
-                query_rotary_emb=ca_video_rotary_emb, key_rotary_emb=ca_audio_rotary_emb,
+                query_rotary_emb=ca_video_rotary_emb,
+                key_rotary_emb=ca_audio_rotary_emb,
                 attention_mask=a2v_cross_attention_mask,
-            )  # fmt: skip
+            )
             v.x = ops.residual(v.x, out, a2v_gate)
         if use_v2a_cross_attention:  # q: audio, k/v: video; rows 2, 3
             out = block.video_to_audio_attn(
                 _modulate(an, a_ca[2], a_ca[3]),
                 encoder_hidden_states=_modulate(vn, v_ca[2], v_ca[3]),
-                query_rotary_emb=ca_audio_rotary_emb, key_rotary_emb=ca_video_rotary_emb,
+                query_rotary_emb=ca_audio_rotary_emb,
+                key_rotary_emb=ca_video_rotary_emb,
                 attention_mask=v2a_cross_attention_mask,
-            )  # fmt: skip
+            )
             a.x = ops.residual(a.x, out, v2a_gate)
     return v.feed_forward(ops), a.feed_forward(ops)
 
@@ -184,8 +192,14 @@ class LTX2SelfAttnProcessor(LTXSelfAttnProcessor):
         query_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
         key_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        args = (attn, hidden_states, encoder_hidden_states, attention_mask, query_rotary_emb,
-                key_rotary_emb)  # fmt: skip
+        args = (
+            attn,
+            hidden_states,
+            encoder_hidden_states,
+            attention_mask,
+            query_rotary_emb,
+            key_rotary_emb,
+        )
         if (
             float64_call(hidden_states)
             or encoder_hidden_states is not None
@@ -218,8 +232,11 @@ class LTX2SelfAttnProcessor(LTXSelfAttnProcessor):
         if prologue:
             query, key = whole_row_qk(self.ops, attn, query, key, query_rotary_emb)
         else:
-            rotate = (t2.apply_interleaved_rotary_emb if attn.rope_type == "interleaved"
-                      else t2.apply_split_rotary_emb)  # fmt: skip
+            rotate = (
+                t2.apply_interleaved_rotary_emb
+                if attn.rope_type == "interleaved"
+                else t2.apply_split_rotary_emb
+            )
             query = rotate(attn.norm_q(query), query_rotary_emb)
             key = rotate(attn.norm_k(key), query_rotary_emb)
         query, key, value = (t.unflatten(2, (attn.heads, -1)) for t in (query, key, value))

@@ -60,9 +60,9 @@ from torch import nn
 
 from ditops.integrations.ltx_video.forwards import (
     BLOCK_BYPASSES,
+    LTXOps,
     LTXSelfAttnProcessor,
     block_forward,
-    ltx_ops,
 )
 from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
@@ -142,7 +142,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=ltx_ops,
+    ops=LTXOps.of,
     attention=Attention(
         {LTXSelfAttnProcessor.wraps: LTXSelfAttnProcessor},
         {"5c456c41d1d39c06": DIFFUSERS_042},

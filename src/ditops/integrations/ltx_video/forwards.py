@@ -6,14 +6,17 @@ which checks a model and installs these.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from ditops.integrations.shared.guard import Bypass, float64_call
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.ops import QKOps
 from ditops.integrations.shared.video_sparse import VideoSelfAttention
+from ditops.ops.modulation_model_dtype import AdaLNResidualOp
+from ditops.ops.qk_norm_rope import RMSNormOp
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`).
 BLOCK_BYPASSES = ("norm1", "norm2")
@@ -21,28 +24,23 @@ BLOCK_BYPASSES = ("norm1", "norm2")
 PROLOGUE_BYPASS = Bypass((("norm_q", nn.RMSNorm), ("norm_k", nn.RMSNorm)))
 
 
-def ltx_ops(precision: str | None) -> Ops:
+@dataclass(eq=False)
+class LTXOps(QKOps):
     """The ops of one patched LTX model: ``rms`` (diffusers' RMSNorm, ``norm1``/``norm2``),
     ``residual`` (the gated residuals) and ``qk`` (the self-attention prologue)."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
 
-    return Ops(
-        precision,
-        rms=qk_norm_rope.RMSNormOp,
-        residual=adaln.AdaLNResidualOp,
-        qk=qk_norm_rope.QKNormRopeOp,
-    )
+    rms: RMSNormOp
+    residual: AdaLNResidualOp
 
 
-def _rms(ops: Ops, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms(ops: LTXOps, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     # diffusers' RMSNorm (no bias): the op's "diffusers" convention is its arithmetic.
     return ops.rms(x, norm.weight, norm.eps, convention="diffusers")
 
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: LTXOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -85,8 +83,9 @@ def whole_row_qk(
     fp32 tables."""
     cos, sin = (t.to(torch.float32).unsqueeze(2) for t in rotary)
     nq, nk = attn.norm_q, attn.norm_k
-    query, key = ops.qk(query.unsqueeze(2), key.unsqueeze(2), nq.weight, nk.weight, cos, sin,
-                        nq.eps)  # fmt: skip
+    query, key = ops.qk(
+        query.unsqueeze(2), key.unsqueeze(2), nq.weight, nk.weight, cos, sin, nq.eps
+    )
     return query.squeeze(2), key.squeeze(2)
 
 
@@ -99,7 +98,7 @@ class LTXSelfAttnProcessor(VideoSelfAttention):
     no rotary tables or tables of another shape, or a float64 call, runs the original;
     so does a dense step without ``ops``. Norms hooked or replaced since the patch are
     called as modules (their hooks run). The attention backend and context-parallel config
-    are the original's (see :class:`~ditops.integrations.shared.base.WrappingProcessor`).
+    are the original's (see :class:`~ditops.integrations.shared.processors.WrappingProcessor`).
     """
 
     #: The diffusers processor this class wraps: (module, class name).

@@ -65,7 +65,7 @@ from ditops.integrations.mochi.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_blocks,
 )
 from ditops.integrations.shared.family import (
@@ -176,7 +176,7 @@ SPEC = FamilySpec(
         ),
         norm_out_blocks(),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedMochiAttnProcessor.wraps: FusedMochiAttnProcessor},
         {"7b0451db98ed6158": DIFFUSERS_042},

@@ -14,37 +14,50 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.joint_sparse import joint_sparse_attention
-from ditops.integrations.shared.ops import Ops
-from ditops.integrations.shared.steps import StepState, runs_dense
+from ditops.integrations.shared.processors import WrappingProcessor
+from ditops.integrations.shared.steps import runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`); the
 #: context ones the last block (``context_pre_only``) lacks are not watched there.
 BYPASSES = (
-    "norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm1_context.norm.norm",
-    "norm2", "norm2.norm", "norm3", "norm3.norm", "norm4", "norm4.norm",
-    "norm2_context", "norm2_context.norm", "norm3_context", "norm3_context.norm",
-    "norm4_context", "norm4_context.norm",
-)  # fmt: skip
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm1_context.norm.norm",
+    "norm2",
+    "norm2.norm",
+    "norm3",
+    "norm3.norm",
+    "norm4",
+    "norm4.norm",
+    "norm2_context",
+    "norm2_context.norm",
+    "norm3_context",
+    "norm3_context.norm",
+    "norm4_context",
+    "norm4_context.norm",
+)
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
-def _rms(ops: Ops, x: torch.Tensor, eps: float) -> torch.Tensor:
+def _rms(ops: AdaLNOps, x: torch.Tensor, eps: float) -> torch.Tensor:
     """diffusers' ``RMSNorm(0, eps, False)`` of ``x.to(float32)`` (fp32 out): the
     ``rms_norm`` op's ``"diffusers"`` convention without a weight is that code."""
     return ops.rms(x.to(torch.float32), None, eps, convention="diffusers")  # type: ignore[no-any-return]
 
 
-def modulated(ops: Ops, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+def modulated(ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """``MochiModulatedRMSNorm(x, scale)``: ``(rms(x.float()) * scale).to(x.dtype)``."""
     return (_rms(ops, x, norm.norm.eps) * scale).to(x.dtype)
 
 
 def _zero(
-    ops: Ops, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor
+    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor
 ) -> tuple[torch.Tensor, ...]:
     """``MochiRMSNormZero(x, temb)``: the normed ``x`` and the gate / MLP scale / gate."""
     scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(temb)).chunk(4, dim=1)
@@ -52,14 +65,16 @@ def _zero(
     return n.to(x.dtype), gate_msa, scale_mlp, gate_mlp
 
 
-def _continuous(ops: Ops, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+def _continuous(
+    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor
+) -> torch.Tensor:
     """``MochiLayerNormContinuous(x, temb)`` (the last block's text norm)."""
     scale = norm.linear_1(norm.silu(temb).to(x.dtype))
     return modulated(ops, norm.norm, x, 1 + scale.unsqueeze(1).to(torch.float32)).to(x.dtype)
 
 
 def _rest(
-    ops: Ops, block: nn.Module, h: torch.Tensor, a: torch.Tensor, gates: tuple, suffix: str
+    ops: AdaLNOps, block: nn.Module, h: torch.Tensor, a: torch.Tensor, gates: tuple, suffix: str
 ) -> torch.Tensor:
     """One stream after attention: the gated residual, the MLP's modulated norm, the MLP
     and its gated residual (``suffix`` "" for the video stream, "_context" for text)."""
@@ -73,7 +88,7 @@ def _rest(
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -145,21 +160,7 @@ class FusedMochiAttnProcessor(WrappingProcessor):
     #: The diffusers processor this class wraps: (module, class name).
     wraps = ("diffusers.models.attention_processor", "MochiAttnProcessor2_0")
 
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: StepState | None = None,
-        sparse: nn.Module | None = None,
-    ) -> None:
-        if sparse is not None and steps is None:
-            raise ValueError("FusedMochiAttnProcessor: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        super().__init__(original)
-        self.ops = ops
-        self.steps = steps
-        self.sparse = sparse
+    ops: AdaLNOps | None
 
     def __call__(
         self,
@@ -176,11 +177,13 @@ class FusedMochiAttnProcessor(WrappingProcessor):
             )
         dense = runs_dense(self.sparse, self.steps)
         ops = None if self.ops is None or _qk_bypass().problem(attn) else self.ops
-        tables = mochi_tables(image_rotary_emb, hidden_states.shape[1], attn.heads,
-                              attn.inner_dim // attn.heads)  # fmt: skip
+        tables = mochi_tables(
+            image_rotary_emb, hidden_states.shape[1], attn.heads, attn.inner_dim // attn.heads
+        )
         if float64_call(hidden_states) or tables is None or (dense and ops is None):
-            return self.original(attn, hidden_states, encoder_hidden_states, attention_mask,
-                                 image_rotary_emb)  # fmt: skip
+            return self.original(
+                attn, hidden_states, encoder_hidden_states, attention_mask, image_rotary_emb
+            )
         query, key, value = _heads(attn, hidden_states, attn.to_q, attn.to_k, attn.to_v)
         e_query, e_key, e_value = _heads(
             attn, encoder_hidden_states, attn.add_q_proj, attn.add_k_proj, attn.add_v_proj
@@ -196,9 +199,18 @@ class FusedMochiAttnProcessor(WrappingProcessor):
                 torch.cat(p, dim=1) for p in ((query, e_query), (key, e_key), (value, e_value))
             )
             rows = torch.cat([keep.new_ones(keep.shape[0], video), keep], dim=1)[:, None, None]
-            out = joint_sparse_attention(self.sparse, self.steps, q, k, v, text,
-                                         _attend_kept, text_first=False, keep=keep,
-                                         text_rows_mask=rows)  # fmt: skip
+            out = joint_sparse_attention(
+                self.sparse,
+                self.steps,
+                q,
+                k,
+                v,
+                text,
+                _attend_kept,
+                text_first=False,
+                keep=keep,
+                text_rows_mask=rows,
+            )
             # Mochi's padded text rows attend to nothing: their output is zero
             t_out = torch.where(keep[:, :, None, None], out[:, video:], 0)
             out = torch.cat([out[:, :video], t_out], dim=1).flatten(2, 3)
@@ -214,7 +226,7 @@ def _heads(attn: nn.Module, x: torch.Tensor, *projections: nn.Module) -> tuple[t
 
 
 def _prologue(
-    ops: Ops | None,
+    ops: AdaLNOps | None,
     attn: nn.Module,
     query: torch.Tensor,
     key: torch.Tensor,
@@ -223,7 +235,7 @@ def _prologue(
     tables: tuple[torch.Tensor, torch.Tensor],
 ) -> tuple[torch.Tensor, ...]:
     """The video q/k normed and rotated, the text q/k normed: on ditops' ops, or (``ops``
-    None: a sparse step without the fused prologue) Mochi's own modules."""  # fmt: skip
+    None: a sparse step without the fused prologue) Mochi's own modules."""
     nq, nk, tq, tk = (getattr(attn, name) for name in QK_NORMS)
     if ops is None:
         q, k = (mochi_rotate(n(t), *tables) for n, t in ((nq, query), (nk, key)))
@@ -231,8 +243,9 @@ def _prologue(
     # the heads as the op's batch: Mochi's tables are per head ([H, L, 1, D/2]), the
     # norm per row; rotation in fp32 as Mochi's (bf16/fp16 tables widened exactly)
     cos, sin = (t.to(query.device, torch.float32).permute(1, 0, 2).unsqueeze(2) for t in tables)
-    q, k = ops.qk(query.permute(2, 1, 0, 3), key.permute(2, 1, 0, 3), nq.weight, nk.weight,
-                  cos, sin, nq.eps)  # fmt: skip
+    q, k = ops.qk(
+        query.permute(2, 1, 0, 3), key.permute(2, 1, 0, 3), nq.weight, nk.weight, cos, sin, nq.eps
+    )
     e_query, e_key = ops.rms(e_query, tq.weight, tq.eps), ops.rms(e_key, tk.weight, tk.eps)
     return q.permute(2, 1, 0, 3), k.permute(2, 1, 0, 3), e_query, e_key
 

@@ -66,7 +66,7 @@ from ditops.integrations.qwen_image.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_forward,
     norm_out_problems,
 )
@@ -137,7 +137,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedQwenImageAttnProcessor.wraps: FusedQwenImageAttnProcessor},
         {"d400cf3fafe2cec4": DIFFUSERS_042},

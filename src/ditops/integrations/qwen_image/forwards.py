@@ -1,5 +1,5 @@
 """The fused forwards of a patched Qwen-Image model: the double-stream block on ditops'
-adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched model) and
+adaLN ops (``adaln_zero.AdaLNOps``, one bundle per patched model) and
 :class:`FusedQwenImageAttnProcessor`, Qwen-Image's joint attention with the prologue on
 ``qk_norm_rope``. The arithmetic they reproduce is written out in
 :mod:`ditops.integrations.qwen_image.family`, which checks a model and installs these.
@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.complex_rope import ComplexRopeProcessor
 from ditops.integrations.shared.guard import Bypass
-from ditops.integrations.shared.ops import Ops
 
 #: Qwen-Image clips fp16 activations of both streams to the largest finite fp16.
 FP16_MAX = 65504.0
@@ -49,9 +49,14 @@ def _clip_fp16(h: torch.Tensor) -> torch.Tensor:
 
 
 def _stream_rest(
-    ops: Ops, h: torch.Tensor, attn_out: torch.Tensor, gate1: torch.Tensor, mod2: Mods,
-    norm2: nn.Module, mlp: nn.Module,
-) -> torch.Tensor:  # fmt: skip
+    ops: AdaLNOps,
+    h: torch.Tensor,
+    attn_out: torch.Tensor,
+    gate1: torch.Tensor,
+    mod2: Mods,
+    norm2: nn.Module,
+    mlp: nn.Module,
+) -> torch.Tensor:
     """``h + gate1 * attn``, ``norm2`` modulated by ``mod2``, ``h + gate2 * mlp(n)``."""
     shift2, scale2, gate2 = mod2
     n, h = ops.residual_modulate(h, attn_out, gate1, scale2, shift2, norm2.eps)
@@ -60,7 +65,7 @@ def _stream_rest(
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     encoder_hidden_states_mask: torch.Tensor | None,
@@ -93,13 +98,23 @@ def block_forward(
         **(joint_attention_kwargs or {}),
     )
     hidden_states = _stream_rest(
-        ops, hidden_states, img_attn, img_gate1, _mods(img_mod2, modulate_index),
-        block.img_norm2, block.img_mlp,
-    )  # fmt: skip
+        ops,
+        hidden_states,
+        img_attn,
+        img_gate1,
+        _mods(img_mod2, modulate_index),
+        block.img_norm2,
+        block.img_mlp,
+    )
     encoder_hidden_states = _stream_rest(
-        ops, encoder_hidden_states, txt_attn, txt_gate1, _mods(txt_mod2, None),
-        block.txt_norm2, block.txt_mlp,
-    )  # fmt: skip
+        ops,
+        encoder_hidden_states,
+        txt_attn,
+        txt_gate1,
+        _mods(txt_mod2, None),
+        block.txt_norm2,
+        block.txt_mlp,
+    )
     return _clip_fp16(encoder_hidden_states), _clip_fp16(hidden_states)
 
 
@@ -132,8 +147,10 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
     product may round differently from the op's ``x * cos + rotate(x) * sin``).
     """
 
-    wraps = ("diffusers.models.transformers.transformer_qwenimage",
-             "QwenDoubleStreamAttnProcessor2_0")  # fmt: skip
+    wraps = (
+        "diffusers.models.transformers.transformer_qwenimage",
+        "QwenDoubleStreamAttnProcessor2_0",
+    )
 
     def __call__(
         self,
@@ -154,9 +171,13 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
             or qk_bypass().problem(attn) is not None
         ):
             return self.original(
-                attn, hidden_states, encoder_hidden_states, encoder_hidden_states_mask,
-                attention_mask, image_rotary_emb,
-            )  # fmt: skip
+                attn,
+                hidden_states,
+                encoder_hidden_states,
+                encoder_hidden_states_mask,
+                attention_mask,
+                image_rotary_emb,
+            )
         if encoder_hidden_states_mask is not None:
             image_mask = torch.ones(
                 (hidden_states.shape[0], hidden_states.shape[1]),
@@ -173,16 +194,20 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
         (img_cos, img_sin), (txt_cos, txt_sin) = tables  # type: ignore[misc]
         qk = self.ops.qk  # type: ignore[union-attr]
         nq, nk = attn.norm_q, attn.norm_k
-        img_q, img_k = qk(img_q, img_k, nq.weight, nk.weight, img_cos, img_sin, nq.eps,
-                          convention="diffusers")  # fmt: skip
+        img_q, img_k = qk(
+            img_q, img_k, nq.weight, nk.weight, img_cos, img_sin, nq.eps, convention="diffusers"
+        )
         nq, nk = attn.norm_added_q, attn.norm_added_k
-        txt_q, txt_k = qk(txt_q, txt_k, nq.weight, nk.weight, txt_cos, txt_sin, nq.eps,
-                          convention="diffusers")  # fmt: skip
+        txt_q, txt_k = qk(
+            txt_q, txt_k, nq.weight, nk.weight, txt_cos, txt_sin, nq.eps, convention="diffusers"
+        )
         query = torch.cat([txt_q, img_q], dim=1)
         out = self._dispatch_dense(
-            query, torch.cat([txt_k, img_k], dim=1), torch.cat([txt_v, img_v], dim=1),
+            query,
+            torch.cat([txt_k, img_k], dim=1),
+            torch.cat([txt_v, img_v], dim=1),
             attention_mask,
-        )  # fmt: skip
+        )
         out = out.flatten(2, 3).to(query.dtype)
         img_out = attn.to_out[0](out[:, seq_txt:, :].contiguous())
         if len(attn.to_out) > 1:

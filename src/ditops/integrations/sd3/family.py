@@ -65,7 +65,7 @@ from ditops.integrations.sd3.forwards import (
 )
 from ditops.integrations.shared.adaln_zero import (
     DIFFUSERS_042,
-    adaln_ops,
+    AdaLNOps,
     norm_out_forward,
     norm_out_problems,
     relied_on_norms,
@@ -172,7 +172,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedSD3AttnProcessor.wraps: FusedSD3AttnProcessor},
         {"c7614f0efa2b00b9": DIFFUSERS_042},

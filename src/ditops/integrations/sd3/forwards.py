@@ -1,5 +1,5 @@
 """The fused forwards of a patched SD3 / SD3.5 model: ``JointTransformerBlock`` on ditops'
-adaLN ops (``adaln_zero.adaln_ops``, one bundle per patched model) and
+adaLN ops (``adaln_zero.AdaLNOps``, one bundle per patched model) and
 :class:`FusedSD3AttnProcessor`, SD3's joint attention with the q/k RMSNorms on
 ``rms_norm``. The arithmetic they reproduce is written out in
 :mod:`ditops.integrations.sd3.family`, which checks a model and installs these.
@@ -14,15 +14,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import ada_emb, ada_modulate, mlp_half, norm_out_forward
-from ditops.integrations.shared.base import DenseProcessor
+from ditops.integrations.shared.adaln_zero import (
+    AdaLNOps,
+    ada_emb,
+    ada_modulate,
+    mlp_half,
+    norm_out_forward,
+)
 from ditops.integrations.shared.guard import Bypass, float64_call
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.processors import DenseProcessor
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`); the
 #: last block's ``norm2_context`` is None (``context_pre_only``), and stays watched as such.
-JOINT_BYPASSES = ("norm1", "norm1.norm", "norm1_context", "norm1_context.norm", "norm2",
-                  "norm2_context")  # fmt: skip
+JOINT_BYPASSES = (
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm2",
+    "norm2_context",
+)
 #: The q/k norms the fused prologue computes without calling them (those not None).
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
@@ -47,7 +58,7 @@ def _feed_forward(block: nn.Module, ff: nn.Module) -> Any:
 
 def joint_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,

@@ -5,13 +5,14 @@ Both families' double-stream blocks (``FluxTransformerBlock``,
 conditioning with ``AdaLayerNormZero`` (``linear(silu(temb))``, six chunks: shift, scale,
 gate, shift_mlp, scale_mlp, gate_mlp), modulate each stream's layer norm with the first
 two, and finish each stream the same way: ``h + attn * gate``, ``norm2``, modulated by the
-MLP's pair, ``h + ff * gate_mlp``. ``adaln_ops`` makes one patched model's ops; the
+MLP's pair, ``h + ff * gate_mlp``. ``AdaLNOps.of`` makes one patched model's ops; the
 functions run those steps on them, in the model dtype, the same operations as diffusers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -19,7 +20,13 @@ from torch import nn
 
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import Blocks, Fused
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.ops import QKOps
+from ditops.ops.modulation_model_dtype import (
+    AdaLNModulateOp,
+    AdaLNResidualModulateOp,
+    AdaLNResidualOp,
+)
+from ditops.ops.qk_norm_rope import RMSNormOp
 
 DIFFUSERS_042 = "diffusers 0.42"
 
@@ -43,21 +50,16 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     }  # fmt: skip
 
 
-def adaln_ops(precision: str | None) -> Ops:
-    """The ops of one patched adaLN-Zero model (FLUX, HunyuanVideo and kin): ``modulate``,
-    ``residual``, ``residual_modulate`` and the q/k prologue ``qk``, and ``rms`` (an RMSNorm
-    for rows that are normed but not rotated), each with ``precision``."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+@dataclass(eq=False)
+class AdaLNOps(QKOps):
+    """The ops of one patched adaLN-Zero model (FLUX, HunyuanVideo and kin): the norms
+    without affine, the gated residual and both at once, the q/k prologue ``qk``, and
+    ``rms`` (an RMSNorm for rows that are normed but not rotated)."""
 
-    return Ops(
-        precision,
-        modulate=adaln.AdaLNModulateOp,
-        residual=adaln.AdaLNResidualOp,
-        residual_modulate=adaln.AdaLNResidualModulateOp,
-        qk=qk_norm_rope.QKNormRopeOp,
-        rms=qk_norm_rope.RMSNormOp,
-    )
+    modulate: AdaLNModulateOp
+    residual: AdaLNResidualOp
+    residual_modulate: AdaLNResidualModulateOp
+    rms: RMSNormOp
 
 
 def ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:
@@ -66,7 +68,7 @@ def ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Ten
 
 
 def ada_modulate(
-    ops: Ops, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int
+    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, temb: torch.Tensor, chunks: int
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
     """``norm(x, temb)`` (an AdaLayerNormZero with ``chunks`` 6, Single with 3) on the
     modulate op: ``x`` normed and modulated by the projection's scale and shift, and the
@@ -77,7 +79,7 @@ def ada_modulate(
 
 
 def mlp_half(
-    ops: Ops,
+    ops: AdaLNOps,
     h: torch.Tensor,
     attn_output: torch.Tensor,
     emb: tuple[torch.Tensor, ...],
@@ -117,7 +119,7 @@ def norm_out_problems(norm: nn.Module, where: str) -> list[str]:
 
 
 def norm_out_forward(
-    norm: nn.Module, ops: Ops, x: torch.Tensor, conditioning_embedding: torch.Tensor
+    norm: nn.Module, ops: AdaLNOps, x: torch.Tensor, conditioning_embedding: torch.Tensor
 ) -> torch.Tensor:
     """``AdaLayerNormContinuous.forward`` (layer norm without affine) on ditops' op."""
     emb = norm.linear(norm.silu(conditioning_embedding).to(x.dtype))

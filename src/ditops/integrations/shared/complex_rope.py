@@ -12,14 +12,12 @@ have: exact precision off the CPU keeps diffusers' own code.
 
 from __future__ import annotations
 
-import importlib
 from typing import Any
 
 import torch
 
-from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import float64_call
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.processors import WrappingProcessor
 
 
 def complex_tables(freqs: Any, dims: int) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -40,23 +38,7 @@ class ComplexRopeProcessor(WrappingProcessor):
     attention only, the wrapped original built from :attr:`wraps` when a loader builds
     the processor as ``type(p)()`` (then ``ops`` is None: the original's own code)."""
 
-    #: The diffusers processor a subclass wraps: (module, class name).
-    wraps: tuple[str, str]
-
-    def __init__(
-        self,
-        original: Any | None = None,
-        ops: Ops | None = None,
-        steps: Any = None,
-        sparse: Any = None,
-    ) -> None:
-        if original is None:
-            module, name = self.wraps
-            original = getattr(importlib.import_module(module), name)()
-        if sparse is not None:
-            raise ValueError(f"{type(self).__name__}: no sparse attention for this model")
-        super().__init__(original)
-        self.ops = ops
+    serves_sparse = False
 
     def tables(
         self, hidden_states: torch.Tensor, freqs: Any, dims: int

@@ -17,7 +17,7 @@ A family is a :class:`FamilySpec`, plain data:
   processor of another class (IP-Adapter's, the user's) is kept or refused.
 * ``ops``: the op bundle of one patched model, built from the precision asked. This is
   the one way precision travels: fused forwards and processors take their ops from the
-  bundle (:class:`Ops`).
+  bundle (an :class:`~ditops.integrations.shared.ops.Ops` dataclass).
 * ``sparse``: :class:`Sparse`, where the patch size and the denoising step come from;
   ``None`` refuses ``attention=``, naming the families that serve it.
 * ``relied_on``: every other diffusers function whose arithmetic the fused code
@@ -40,20 +40,15 @@ from typing import Any
 
 from torch import nn
 
-from ditops.integrations.shared.base import (
-    AttrSet,
-    PatchOptions,
-    PatchRecord,
-    TorchHook,
-    fingerprint,
-    fingerprint_problems,
-    refuse,
-    refuse_sparse,
-    register_like,
-)
+from ditops.integrations.shared.base import fingerprint, fingerprint_problems
 from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.shared.norms import swap_norms
+from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.options import PatchOptions
+from ditops.integrations.shared.processors import register_like
+from ditops.integrations.shared.refusals import refuse, refuse_sparse
 from ditops.integrations.shared.steps import StepState, track_steps
+from ditops.integrations.shared.undo import AttrSet, PatchRecord, TorchHook
 
 #: label -> (diffusers function, {fingerprint: version}): see ``base.fingerprint_problems``.
 Relied = dict[str, tuple[Callable[..., Any], dict[str, str]]]
@@ -164,8 +159,8 @@ class FamilySpec:
     #: What the patch does, in a few words (the docs' families table).
     summary: str
     blocks: tuple[Blocks, ...]
-    #: ``ops(precision)``: the op bundle of one patched model.
-    ops: Callable[[str | None], Any]
+    #: ``ops(precision)``: the op bundle of one patched model (``Bundle.of``).
+    ops: Callable[[str | None], Ops]
     attention: Attention | None = None
     sparse: Sparse | None = None
     relied_on: Callable[[], Relied] = _nothing

@@ -9,8 +9,8 @@ submodule now (:func:`attached_to`: torch hooks, diffusers or accelerate hooks, 
 forward replaced on the instance, a module of another class) and, if so, runs the
 module's own (diffusers') forward instead, saying so once (:func:`note_unfused`).
 
-The change records a patch keeps (:class:`~ditops.integrations.shared.base.ForwardSwap`) are in
-:mod:`ditops.integrations.shared.base`.
+The change records a patch keeps (:class:`~ditops.integrations.shared.undo.ForwardSwap`) are in
+:mod:`ditops.integrations.shared.undo`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn.modules import module as _torch_module
 
-from ditops.integrations.shared.base import ForwardSwap, PatchRecord
+from ditops.integrations.shared.undo import ForwardSwap, PatchRecord
 from ditops.tracing import traced
 
 logger = logging.getLogger("ditops")

@@ -88,8 +88,9 @@ def joint_sparse_attention(
         q = query[one, video_rows]
         if poisoned[b]:  # the meaning takes 0 * NaN from them: dense, with the key mask
             assert keep is not None
-            kept = torch.cat([keep[b], keep.new_ones(video)] if text_first else
-                             [keep.new_ones(video), keep[b]]).view(1, 1, 1, n)  # fmt: skip
+            kept = torch.cat(
+                [keep[b], keep.new_ones(video)] if text_first else [keep.new_ones(video), keep[b]]
+            ).view(1, 1, 1, n)
             outs.append(dense(q, key[one], value[one], kept))
             continue
         keys, values = (
@@ -101,10 +102,15 @@ def joint_sparse_attention(
         branch = steps.branch if batch == 1 else f"{steps.branch}#{b}"
         outs.append(
             sparse(
-                q, keys, values, layout="BSND", step=steps.current(), branch=branch,
+                q,
+                keys,
+                values,
+                layout="BSND",
+                step=steps.current(),
+                branch=branch,
                 dense_blocks=dense_blocks,
             )
-        )  # fmt: skip
+        )
     video_out = torch.cat(outs, dim=0)
     text_out = text_out.to(video_out.dtype)
     parts = [text_out, video_out] if text_first else [video_out, text_out]

@@ -14,14 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ditops.integrations.shared.base import (
-    AttrSet,
-    ClassSwap,
-    PatchOptions,
-    PatchRecord,
-    refuse_sparse,
-)
 from ditops.integrations.shared.guard import attached_to, own_forward_left
+from ditops.integrations.shared.options import PatchOptions
+from ditops.integrations.shared.refusals import refuse_sparse
+from ditops.integrations.shared.undo import AttrSet, ClassSwap, PatchRecord
 from ditops.layers.norm import FP32LayerNorm
 
 

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from ditops.core.checks import as_int
-from ditops.integrations.shared.base import AttrSet, PatchRecord, TorchHook
+from ditops.integrations.shared.undo import AttrSet, PatchRecord, TorchHook
 from ditops.tracing import refuse_under_fullgraph, traced
 
 logger = logging.getLogger("ditops")

@@ -28,12 +28,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.parallel import (
     attend_across_ranks,
     check_method_per_rank,
     context_parallel_of,
 )
+from ditops.integrations.shared.processors import WrappingProcessor
 from ditops.integrations.shared.steps import StepState, runs_dense
 from ditops.tracing import refuse_under_fullgraph, traced
 
@@ -52,9 +52,14 @@ class GridRecorder:
     (``params``: the names of the model's forward parameters after ``self``)."""
 
     def __init__(
-        self, state: StepState, params: tuple[str, ...], grid: tuple[str, ...] = GRID,
-        tokens: str = "hidden_states", timestep: str = "timestep", coords: str = "video_coords",
-    ) -> None:  # fmt: skip
+        self,
+        state: StepState,
+        params: tuple[str, ...],
+        grid: tuple[str, ...] = GRID,
+        tokens: str = "hidden_states",
+        timestep: str = "timestep",
+        coords: str = "video_coords",
+    ) -> None:
         self.state = state
         self.params = params
         self.grid = grid
@@ -136,19 +141,6 @@ class VideoSelfAttention(WrappingProcessor):
     #: Whether sparse steps run under diffusers' context parallelism (the family's
     #: ``Sparse.context_parallel``).
     context_parallel = True
-
-    def __init__(
-        self, original: Any = None, ops: Any = None, steps: StepState | None = None,
-        sparse: nn.Module | None = None,
-    ) -> None:  # fmt: skip
-        if sparse is not None and steps is None:
-            raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        super().__init__(original)
-        self.ops = ops
-        self.steps = steps
-        self.sparse = sparse
 
     def own_attention(self) -> bool:
         """Whether :meth:`attend` computes this call's attention itself (a sparse step, or

@@ -14,13 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from ditops.integrations.shared.base import WrappingProcessor
 from ditops.integrations.shared.guard import Bypass, float64_call
+from ditops.integrations.shared.ops import QKOps
 from ditops.integrations.shared.parallel import (
     attend_across_ranks,
     check_method_per_rank,
     context_parallel_of,
 )
+from ditops.integrations.shared.processors import WrappingProcessor
 from ditops.integrations.shared.steps import StepState, runs_dense
 
 logger = logging.getLogger("ditops")
@@ -76,18 +77,12 @@ class WanSelfAttnProcessor(WrappingProcessor):
     def __init__(
         self,
         original: Any | None = None,
-        ops: Any | None = None,
+        ops: QKOps | None = None,
         steps: StepState | None = None,
         sparse: nn.Module | None = None,
     ) -> None:
-        if sparse is not None and steps is None:
-            raise ValueError(f"{type(self).__name__}: sparse attention needs the step state")
-        if original is None:  # built as diffusers' loaders build processors: type(p)()
-            original = self.original_processor()
-        super().__init__(original)
+        super().__init__(original, ops, steps, sparse)
         self._qkv = self.qkv_projections()  # resolved once: not traced under compile
-        self.steps = steps
-        self.sparse = sparse
         self.prologue = None if ops is None else ops.qk  # the fused q/k norm + rotary
 
     def _dense_now(self) -> bool:

@@ -2,7 +2,7 @@
 Wan-Animate's copies), ``WanVACETransformerBlock``'s and ``SkyReelsV2TransformerBlock``'s.
 
 Each runs the block's norm / modulation / residual chain (written out in
-:mod:`ditops.integrations.wan.family`) on ditops' fused ops, one :class:`Ops` per
+:mod:`ditops.integrations.wan.family`) on ditops' fused ops, one :class:`WanOps` per
 patched model; :class:`~ditops.integrations.wan.family.WanFamily` installs them through
 :func:`~ditops.integrations.shared.guard.install_guarded`, which runs diffusers' forward
 instead while anything is attached to the norms they bypass (:data:`BLOCK_BYPASSES`).
@@ -10,15 +10,31 @@ instead while anything is attached to the norms they bypass (:data:`BLOCK_BYPASS
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
-from ditops.integrations.shared.ops import Ops
+from ditops.integrations.shared.ops import QKOps
+from ditops.ops.modulation_fp32 import (
+    GatedResidualOp,
+    LayerNormScaleShiftOp,
+    ScaleResidualLayerNormScaleShiftOp,
+)
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`).
 BLOCK_BYPASSES = ("norm1", "norm2", "norm3")
+
+
+@dataclass(eq=False)
+class WanOps(QKOps):
+    """The ops of one patched Wan model: the fp32 modulation chain (``ln_mod``, ``fused``:
+    the residual, norm and modulation at once, ``gated``) and the q/k prologue ``qk``."""
+
+    ln_mod: LayerNormScaleShiftOp
+    fused: ScaleResidualLayerNormScaleShiftOp
+    gated: GatedResidualOp
 
 
 def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -31,7 +47,7 @@ def _modulations(block: nn.Module, temb: torch.Tensor) -> tuple[torch.Tensor, ..
 
 def _fused_chain(
     block: nn.Module,
-    ops: Ops,
+    ops: WanOps,
     h: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     modulations: tuple[torch.Tensor, ...],
@@ -56,7 +72,7 @@ def _fused_chain(
 
 def fused_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: WanOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,
@@ -73,7 +89,7 @@ def fused_block_forward(
 
 def fused_vace_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: WanOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     control_hidden_states: torch.Tensor,
@@ -95,7 +111,7 @@ def fused_vace_block_forward(
 
 def fused_skyreels_block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: WanOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
     temb: torch.Tensor,

@@ -59,10 +59,10 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
-from ditops.integrations.shared.ops import Ops
 from ditops.integrations.wan.attention import PROCESSORS
 from ditops.integrations.wan.blocks import (
     BLOCK_BYPASSES,
+    WanOps,
     fused_block_forward,
     fused_skyreels_block_forward,
     fused_vace_block_forward,
@@ -101,20 +101,6 @@ MODEL_CLASSES = (
     "ChronoEditTransformer3DModel",
     "WanAnimateTransformer3DModel",
 )
-
-
-def wan_ops(precision: str | None) -> Ops:
-    """The ops of one patched Wan model: the fp32 modulation chain and the q/k prologue."""
-    from ditops.ops import modulation_fp32 as modulation
-    from ditops.ops import qk_norm_rope
-
-    return Ops(
-        precision,
-        ln_mod=modulation.LayerNormScaleShiftOp,
-        fused=modulation.ScaleResidualLayerNormScaleShiftOp,
-        gated=modulation.GatedResidualOp,
-        qk=qk_norm_rope.QKNormRopeOp,
-    )
 
 
 def _table_problems(block: nn.Module, where: str) -> list[str]:
@@ -193,7 +179,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=wan_ops,
+    ops=WanOps.of,
     attention=Attention(PROCESSORS, KNOWN_ATTN_PROCESSOR, relied=_qkv_projections),
     # Wan's I2V pipeline and the Wan-derived models' pipelines call the model without a
     # step index: counted from the timesteps then.

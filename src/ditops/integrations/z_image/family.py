@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, AdaLNOps
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
@@ -133,7 +133,7 @@ SPEC = FamilySpec(
             required=True,
         ),
     ),
-    ops=adaln_ops,
+    ops=AdaLNOps.of,
     attention=Attention(
         {FusedZImageAttnProcessor.wraps: FusedZImageAttnProcessor},
         {"54073087d4e497e1": DIFFUSERS_042},

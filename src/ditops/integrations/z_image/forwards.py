@@ -12,9 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.complex_rope import ComplexRopeProcessor
 from ditops.integrations.shared.guard import Bypass
-from ditops.integrations.shared.ops import Ops
 
 #: The block's sandwich norms, which the fused forward computes without calling them.
 BLOCK_BYPASSES = ("attention_norm1", "attention_norm2", "ffn_norm1", "ffn_norm2")
@@ -53,7 +53,7 @@ def _mods(
     return pick(0), pick(1), pick(2), pick(3)
 
 
-def _rms(ops: Ops, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+def _rms(ops: AdaLNOps, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """diffusers' ``RMSNorm`` (a weight, no bias) on the op."""
     return ops.rms(x, norm.weight, norm.eps, "diffusers")
 
@@ -64,7 +64,7 @@ def _scaled(n: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
 
 def block_forward(
     block: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     x: torch.Tensor,
     attn_mask: torch.Tensor | None,
     freqs_cis: torch.Tensor,
@@ -101,7 +101,7 @@ def block_forward(
 
 def final_forward(
     layer: nn.Module,
-    ops: Ops,
+    ops: AdaLNOps,
     x: torch.Tensor,
     c: torch.Tensor | None = None,
     noise_mask: torch.Tensor | None = None,
