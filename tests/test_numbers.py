@@ -48,7 +48,7 @@ ACCEPTED: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: BlockSparseConfig(
             sparsity=0.5, block_size=64, skip_first_steps=2, stride=8, estimate_every=2, samples=2
         ),
-    ),  # fmt: skip
+    ),
     "BlockSparseConfig.threshold": (
         lambda: BlockSparseConfig(method="antidiagonal", threshold=np.float64(0.9)),
         lambda: BlockSparseConfig(method="antidiagonal", threshold=0.9),
@@ -76,7 +76,7 @@ ACCEPTED: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
             q, q, q, step=np.int64(2), dense_blocks=np.int64(1), scale=np.float32(0.25)
         ),
         lambda: _layer()(q, q, q, step=2, dense_blocks=1, scale=0.25),
-    ),  # fmt: skip
+    ),
     "first_frame_dense_blocks": (
         lambda: first_frame_dense_blocks((1, 4, np.int64(2), 8, 8), np.int64(2), np.int64(16)),
         lambda: first_frame_dense_blocks((1, 4, 2, 8, 8), 2, 16),
@@ -94,7 +94,7 @@ ACCEPTED: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: ditops.estimate_block_mask(
             q, q, block_size=16, stride=4, keep_ratio=0.75, dense_blocks=1, samples=2
         ),
-    ),  # fmt: skip
+    ),
     "FP32LayerNorm": (
         lambda: ditops.FP32LayerNorm(np.int64(16), eps=np.float32(1e-5))(x),
         lambda: ditops.FP32LayerNorm(16, eps=float(np.float32(1e-5)))(x),

@@ -82,9 +82,22 @@ def near_tie(v, j, kept, scored, tol, threshold) -> bool:
     return bool(((sums - threshold * total).abs() <= slack).any())
 
 
-def near_tie_violations(mask, want_mask, scores, tol, *, threshold, keep_ratio, causal,
-                        keep_sink, keep_recent, dense_blocks=0, forced_blocks="in_budget",
-                        max_rows=None, **_):  # fmt: skip
+def near_tie_violations(
+    mask,
+    want_mask,
+    scores,
+    tol,
+    *,
+    threshold,
+    keep_ratio,
+    causal,
+    keep_sink,
+    keep_recent,
+    dense_blocks=0,
+    forced_blocks="in_budget",
+    max_rows=None,
+    **_,
+):
     """Blocks where ``mask`` differs from ``want_mask`` that are not near-ties (see top).
 
     ``scores`` are native's; what native's selection keeps is recomputed from them, as
@@ -101,9 +114,12 @@ def near_tie_violations(mask, want_mask, scores, tol, *, threshold, keep_ratio, 
         forced = forced_block_mask(q_blocks, kv_blocks, dense_blocks=dense_blocks, **flags)
         scored = cand & ~forced
         selected = select_in_budget(
-            scores, threshold=threshold, keep_ratio=keep_ratio, dense_blocks=dense_blocks,
+            scores,
+            threshold=threshold,
+            keep_ratio=keep_ratio,
+            dense_blocks=dense_blocks,
             **flags,
-        )  # fmt: skip
+        )
     else:
         scored = scored_blocks(q_blocks, kv_blocks, **flags)
         selected = select_blocks(scores, threshold=threshold, keep_ratio=keep_ratio, **flags)

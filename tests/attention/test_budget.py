@@ -244,9 +244,14 @@ def test_forced_blocks_alone_need_no_scores(monkeypatch: pytest.MonkeyPatch) -> 
 
 def test_budget_exactly_the_forced_blocks_is_quiet(caplog) -> None:
     budget = block_budget(
-        63, 63, keep_ratio=429 / 3969, dense_blocks=3, keep_sink=True, keep_recent=True,
+        63,
+        63,
+        keep_ratio=429 / 3969,
+        dense_blocks=3,
+        keep_sink=True,
+        keep_recent=True,
         causal=False,
-    )  # fmt: skip
+    )
     assert budget.forced_only and budget.forced == budget.total == 429
     q, k = wan_like_qk(WAN_SMALL, heads=1)
     with caplog.at_level(logging.WARNING, logger="ditops"), torch.inference_mode():

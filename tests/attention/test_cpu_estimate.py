@@ -47,8 +47,14 @@ def qk(dtype: torch.dtype, seed: int = 9) -> tuple[torch.Tensor, torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_masks_match_native_except_near_ties(no_avx512, dtype, case, layout) -> None:
     keep_ratio, threshold, sink, recent, causal, dense = CASES[case]
-    opts = {"keep_ratio": keep_ratio, "threshold": threshold, "keep_sink": sink,
-            "keep_recent": recent, "causal": causal, "dense_blocks": dense}  # fmt: skip
+    opts = {
+        "keep_ratio": keep_ratio,
+        "threshold": threshold,
+        "keep_sink": sink,
+        "keep_recent": recent,
+        "causal": causal,
+        "dense_blocks": dense,
+    }
     q, k = qk(dtype)
     qi, ki = (q, k) if layout == "BNSD" else (q.transpose(1, 2), k.transpose(1, 2))
     with torch.inference_mode(), config.override(strict=True):
@@ -101,8 +107,16 @@ def avx512_no_amx(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_sampled_scores_in_fp32_on_cpus_without_amx(avx512_no_amx, dtype, causal) -> None:
-    opts = {"keep_ratio": 0.3, "threshold": 1.0, "keep_sink": True, "keep_recent": True,
-            "causal": causal, "dense_blocks": 1, "method": "sampled", "samples": 3}  # fmt: skip
+    opts = {
+        "keep_ratio": 0.3,
+        "threshold": 1.0,
+        "keep_sink": True,
+        "keep_recent": True,
+        "causal": causal,
+        "dense_blocks": 1,
+        "method": "sampled",
+        "samples": 3,
+    }
     q, k = qk(dtype)
     with torch.inference_mode(), config.override(strict=True):
         assert estimate_block_mask.op.explain_call(q, k, **opts, **SMALL).chosen == "forward_cpu"

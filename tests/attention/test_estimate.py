@@ -66,9 +66,15 @@ def test_keep_cap_applies_from_ten_candidates() -> None:
     q, k = integer_qk(2, 2, 1000, seed=1)
     keep_ratio = 0.25
     mask, counts = estimate_block_mask_reference(
-        q, k, keep_ratio=keep_ratio, causal=True, keep_sink=False, keep_recent=False,
-        forced_blocks="on_top", **SMALL,
-    )  # fmt: skip
+        q,
+        k,
+        keep_ratio=keep_ratio,
+        causal=True,
+        keep_sink=False,
+        keep_recent=False,
+        forced_blocks="on_top",
+        **SMALL,
+    )
     for r in range(32):
         candidates = r + 1
         if candidates <= 2:
@@ -186,13 +192,34 @@ def test_matches_the_loop_oracle(seq: int, causal: bool, keep: tuple) -> None:
     scale = 0.25
     # The double computes in fp32 from its (exactly representable) half inputs.
     mask, counts = estimate_block_mask_reference(
-        q, k, scale=scale, threshold=threshold, keep_ratio=keep_ratio,
-        keep_sink=sink, keep_recent=recent, causal=causal, forced_blocks="on_top", **SMALL,
-    )  # fmt: skip
+        q,
+        k,
+        scale=scale,
+        threshold=threshold,
+        keep_ratio=keep_ratio,
+        keep_sink=sink,
+        keep_recent=recent,
+        causal=causal,
+        forced_blocks="on_top",
+        **SMALL,
+    )
     want, want_counts = loop_oracle(
-        q.bfloat16(), k.bfloat16(), None, None, "BNSD", 4, 32, 4, 2, scale / 4, threshold,
-        causal, sink, recent, keep_ratio,
-    )  # fmt: skip
+        q.bfloat16(),
+        k.bfloat16(),
+        None,
+        None,
+        "BNSD",
+        4,
+        32,
+        4,
+        2,
+        scale / 4,
+        threshold,
+        causal,
+        sink,
+        recent,
+        keep_ratio,
+    )
     blocks = mask.shape[-1]
     assert want.shape[-1] % 32 == 0 and not bool(want[..., blocks:].any())
     assert torch.equal(mask, want[..., :blocks])

@@ -102,8 +102,9 @@ def test_the_density_reported_is_the_density_run(monkeypatch) -> None:
     assert reported.density == pytest.approx(run.density, abs=0)
     assert reported.per_head == run.per_head
     assert 0 < run.block_density < 1
-    ref = block_sparse_attention(q, k, v, seen["mask"], seen["mask"].sum(-1, dtype=torch.int32),
-                                 block_size=64)  # fmt: skip
+    ref = block_sparse_attention(
+        q, k, v, seen["mask"], seen["mask"].sum(-1, dtype=torch.int32), block_size=64
+    )
     assert torch.equal(out, ref)
 
 
@@ -152,8 +153,9 @@ def test_mass_refuses_what_it_cannot_mean(fields, message) -> None:
 def test_nan_scores_are_never_kept_and_count_no_mass() -> None:
     scores = torch.rand(1, 1, 4, 6)
     scores[0, 0, 1, 3] = math.nan
-    mask, _ = mask_from_scores(scores, BlockSelection(mass=0.99, keep_sink=False,
-                                                      keep_recent=False))  # fmt: skip
+    mask, _ = mask_from_scores(
+        scores, BlockSelection(mass=0.99, keep_sink=False, keep_recent=False)
+    )
     assert not bool(mask[0, 0, 1, 3])
     assert bool((_coverage(scores, mask.bool()) >= 0.99 - 1e-9).all())
 
@@ -170,6 +172,7 @@ def test_the_npu_estimate_kernel_says_it_takes_no_mass_target() -> None:
     call = estimate_block_mask.op.prepare(q, k, block_size=64, mass=0.9, method="antidiagonal")
     reasons = estimate_reasons(call)
     assert reasons and "mass target" in reasons[0]
-    dense_call = estimate_block_mask.op.prepare(q, k, block_size=64, keep_ratio=0.5,
-                                                method="antidiagonal")  # fmt: skip
+    dense_call = estimate_block_mask.op.prepare(
+        q, k, block_size=64, keep_ratio=0.5, method="antidiagonal"
+    )
     assert not any("mass target" in r for r in estimate_reasons(dense_call))

@@ -77,8 +77,14 @@ def test_per_head_allocation_gives_diffuse_rows_more_blocks() -> None:
     scores = torch.zeros(1, 1, 4, 8)
     scores[..., 0, :] = 1.0  # diffuse: mass spread over every block
     scores[..., 1:, 3] = 1.0  # sharp: one block holds it all
-    opts = {"threshold": 1.0, "keep_ratio": 0.5, "keep_sink": False, "keep_recent": False,
-            "causal": False, "dense_blocks": 0}  # fmt: skip
+    opts = {
+        "threshold": 1.0,
+        "keep_ratio": 0.5,
+        "keep_sink": False,
+        "keep_recent": False,
+        "causal": False,
+        "dense_blocks": 0,
+    }
     row, _ = mask_from_scores(scores, allocation="row", **opts)
     head, _ = mask_from_scores(scores, allocation="head", **opts)
     assert row.sum(-1).tolist() == [[[4, 4, 4, 4]]]
@@ -94,8 +100,14 @@ def test_per_layer_allocation_gives_diffuse_heads_more_blocks() -> None:
     scores = torch.zeros(1, 2, 4, 8)
     scores[:, 0] = 1.0  # head 0 diffuse: every row spreads its mass over all 8 blocks
     scores[:, 1, :, 2] = 1.0  # head 1 sharp: each row's mass in one block
-    opts = {"threshold": 1.0, "keep_ratio": 0.25, "keep_sink": False, "keep_recent": False,
-            "causal": False, "dense_blocks": 0}  # fmt: skip
+    opts = {
+        "threshold": 1.0,
+        "keep_ratio": 0.25,
+        "keep_sink": False,
+        "keep_recent": False,
+        "causal": False,
+        "dense_blocks": 0,
+    }
     head, _ = mask_from_scores(scores, allocation="head", **opts)
     layer, _ = mask_from_scores(scores, allocation="layer", **opts)
     assert head.sum(dim=(-1, -2)).tolist() == [[8, 8]]

@@ -208,5 +208,6 @@ def test_a_warm_step_gathers_q_k_and_v_once_each(monkeypatch) -> None:
     perm, (mask, _, _) = layer._last_permutation, layer._last_run
     qp, kp, vp = perm.permute_q(q), perm.permute_kv(k), perm.permute_kv(v)
     counts = mask.sum(-1, dtype=torch.int32)
-    assert torch.equal(out, perm.unpermute(block_sparse_attention(qp, kp, vp, mask, counts,
-                                                                  block_size=64)))  # fmt: skip
+    assert torch.equal(
+        out, perm.unpermute(block_sparse_attention(qp, kp, vp, mask, counts, block_size=64))
+    )

@@ -78,7 +78,7 @@ def test_permuted_mode_runs_on_the_npu_kernels(on_npu, method: str, package: str
                 scale=None,
                 causal=False,
                 block_size=128,
-            )  # fmt: skip
+            )
         )
     atol, rtol = ATTENTION_TOLERANCE[torch.bfloat16]
     err = (out.float() - want.float()).abs()

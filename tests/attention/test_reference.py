@@ -49,9 +49,13 @@ def test_bsnd_layout_gives_the_same_output() -> None:
     mask, _ = random_mask(1, 4, 3, 3)
     want = block_sparse_attention_reference(q, k, v, mask, block_size=128)
     out = block_sparse_attention_reference(
-        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), mask, layout="BSND",
+        q.transpose(1, 2),
+        k.transpose(1, 2),
+        v.transpose(1, 2),
+        mask,
+        layout="BSND",
         block_size=128,
-    )  # fmt: skip
+    )
     assert out.is_contiguous() and out.shape == (1, 300, 4, 32)
     assert torch.equal(out.transpose(1, 2), want)
 

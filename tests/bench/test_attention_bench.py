@@ -50,9 +50,15 @@ def test_quality_of_a_dense_keep_is_perfect() -> None:
 def test_summary_checks_the_targets() -> None:
     def row(variant: str, vs: float, ms: float) -> dict:
         return {
-            "suite": "attention", "case": "S=8064 keep=0.25", "variant": variant,
-            "vs_native": vs, "median_ms": ms, "p_keep": 0.25, "p_density": 0.25, "p_S": 8064,
-        }  # fmt: skip
+            "suite": "attention",
+            "case": "S=8064 keep=0.25",
+            "variant": variant,
+            "vs_native": vs,
+            "median_ms": ms,
+            "p_keep": 0.25,
+            "p_density": 0.25,
+            "p_S": 8064,
+        }
 
     rows = [
         row("native", 1.0, 1000.0),

@@ -12,17 +12,31 @@ from ditops.bench import cogvideox, video_scaling
 
 pytest.importorskip("diffusers", reason="the diffusers extra is part of the test install")
 
-TINY = dict(attention_head_dim=16, num_attention_heads=2, in_channels=4, out_channels=4,
-            time_embed_dim=16, text_embed_dim=8, max_text_seq_length=8)  # fmt: skip
+TINY = dict(
+    attention_head_dim=16,
+    num_attention_heads=2,
+    in_channels=4,
+    out_channels=4,
+    time_embed_dim=16,
+    text_embed_dim=8,
+    max_text_seq_length=8,
+)
 
 
 @pytest.mark.parametrize("layout", ["1.0", "1.5"])
 def test_run_reports_every_variant_with_density_and_drift(layout: str) -> None:
     # 8 token frames of 4 x 4 (128 video tokens), 8 text tokens: blocks of 8
     result = cogvideox.run(
-        torch.device("cpu"), "small", layout, rounds=2, tokens=(8, 4, 4), block_size=8,
-        progress=False, dtype=torch.float32, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        "small",
+        layout,
+        rounds=2,
+        tokens=(8, 4, 4),
+        block_size=8,
+        progress=False,
+        dtype=torch.float32,
+        **TINY,
+    )
     rows = {s["variant"]: s for s in result["summary"]}
     assert list(rows) == ["unpatched", "exact", "sparse 0.5", "sparse 0.75"]
     assert rows["unpatched"]["speedup"] == 1.0 and rows["exact"]["bitwise_equal"]
@@ -44,8 +58,11 @@ def test_bad_layout_is_refused() -> None:
 
 
 def test_cli_runs_both_layouts(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    tiny = {"config": {**cogvideox.SIZES["small"]["config"], **TINY}, "tokens": (2, 2, 2),
-            "rounds": 1}  # fmt: skip
+    tiny = {
+        "config": {**cogvideox.SIZES["small"]["config"], **TINY},
+        "tokens": (2, 2, 2),
+        "rounds": 1,
+    }
     monkeypatch.setitem(cogvideox.SIZES, "small", tiny)
     path = tmp_path / "cv.json"
     argv = ["bench", "cogvideox", "--no-progress", "--dtype", "float32", "--json", str(path)]
@@ -59,9 +76,16 @@ def test_cli_runs_both_layouts(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys
 
 def test_video_scaling_times_the_joint_attention_and_projects(capsys) -> None:
     result = video_scaling.run(
-        torch.device("cpu"), (64, 128), family="cogvideox", text_tokens=8, block_size=16,
-        frame=(8, 8), dtype=torch.float32, progress=False, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        (64, 128),
+        family="cogvideox",
+        text_tokens=8,
+        block_size=16,
+        frame=(8, 8),
+        dtype=torch.float32,
+        progress=False,
+        **TINY,
+    )
     assert [(r["video_tokens"], r["frames"]) for r in result["rows"]] == [(64, 4), (128, 8)]
     for r in result["rows"]:
         assert 0 < r["attention_s"] < r["forward_s"] and 0 < r["sparse_attention_s"]

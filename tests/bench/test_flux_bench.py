@@ -43,8 +43,12 @@ def test_bad_size_is_refused() -> None:
 
 
 def test_cli_runs_the_flux_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    tiny = {"config": {**flux.SIZES["small"]["config"], **TINY}, "image_side": 3,
-            "text_tokens": 2, "rounds": 1}  # fmt: skip
+    tiny = {
+        "config": {**flux.SIZES["small"]["config"], **TINY},
+        "image_side": 3,
+        "text_tokens": 2,
+        "rounds": 1,
+    }
     monkeypatch.setitem(flux.SIZES, "small", tiny)
     path = tmp_path / "flux.json"
     assert cli.main(["bench", "flux", "--no-progress", "--json", str(path)]) == 0

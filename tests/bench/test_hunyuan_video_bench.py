@@ -27,9 +27,14 @@ SMALL = dict(latent=(8, 8, 8), text_tokens=8, block_size=8)
 
 def test_run_reports_every_variant_with_density_and_drift() -> None:
     result = hunyuan_video.run(
-        torch.device("cpu"), "small", rounds=2, progress=False, dtype=torch.float32,
-        **SMALL, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        "small",
+        rounds=2,
+        progress=False,
+        dtype=torch.float32,
+        **SMALL,
+        **TINY,
+    )
     rows = {s["variant"]: s for s in result["summary"]}
     assert list(rows) == ["unpatched", "exact", "sparse 0.5", "sparse 0.75", "sparse 0.75 perm"]
     perm = rows["sparse 0.75 perm"]  # the permuted mode: the same density, its own drift
@@ -54,8 +59,12 @@ def test_bad_size_is_refused() -> None:
 
 
 def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    tiny = {"config": {**hunyuan_video.SIZES["small"]["config"], **TINY}, "latent": (2, 4, 4),
-            "text_tokens": 4, "rounds": 1}  # fmt: skip
+    tiny = {
+        "config": {**hunyuan_video.SIZES["small"]["config"], **TINY},
+        "latent": (2, 4, 4),
+        "text_tokens": 4,
+        "rounds": 1,
+    }
     monkeypatch.setitem(hunyuan_video.SIZES, "small", tiny)
     path = tmp_path / "hv.json"
     argv = ["bench", "hunyuan_video", "--no-progress", "--dtype", "float32", "--json", str(path)]
@@ -69,9 +78,15 @@ def test_video_scaling_measures_each_length_and_projects(capsys) -> None:
     from ditops.bench import video_scaling
 
     result = video_scaling.run(
-        torch.device("cpu"), (64, 128), text_tokens=4, block_size=16, frame=(8, 8),
-        dtype=torch.float32, progress=False, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        (64, 128),
+        text_tokens=4,
+        block_size=16,
+        frame=(8, 8),
+        dtype=torch.float32,
+        progress=False,
+        **TINY,
+    )
     rows = result["rows"]
     assert [r["video_tokens"] for r in rows] == [64, 128]  # frames of 4 x 4 tokens
     assert all(0 < r["attention_share"] < 1 and r["attention_speedup"] > 0 for r in rows)

@@ -27,9 +27,14 @@ SMALL = dict(latent=(8, 4, 4), text_tokens=8, block_size=8)
 
 def test_run_reports_every_variant_with_density_and_drift() -> None:
     result = ltx_video.run(
-        torch.device("cpu"), "small", rounds=1, progress=False, dtype=torch.float32,
-        **SMALL, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        "small",
+        rounds=1,
+        progress=False,
+        dtype=torch.float32,
+        **SMALL,
+        **TINY,
+    )
     rows = {s["variant"]: s for s in result["summary"]}
     assert list(rows) == ["unpatched", "exact", "sparse 0.5", "sparse 0.75", "sparse 0.75 perm"]
     assert rows["exact"]["bitwise_equal"] and rows["exact"]["realised_density"] is None
@@ -43,8 +48,12 @@ def test_run_reports_every_variant_with_density_and_drift() -> None:
 
 
 def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -> None:
-    tiny = {"config": {**ltx_video.SIZES["small"]["config"], **TINY}, "latent": (2, 2, 2),
-            "text_tokens": 4, "rounds": 1}  # fmt: skip
+    tiny = {
+        "config": {**ltx_video.SIZES["small"]["config"], **TINY},
+        "latent": (2, 2, 2),
+        "text_tokens": 4,
+        "rounds": 1,
+    }
     monkeypatch.setitem(ltx_video.SIZES, "small", tiny)
     path = tmp_path / "ltx.json"
     argv = ["bench", "ltx_video", "--no-progress", "--dtype", "float32", "--json", str(path)]
@@ -55,9 +64,16 @@ def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -
 
 def test_video_scaling_family_ltx_video(capsys) -> None:
     result = video_scaling.run(
-        torch.device("cpu"), (64, 128), family="ltx_video", text_tokens=4, block_size=16,
-        frame=(4, 4), dtype=torch.float32, progress=False, **TINY,
-    )  # fmt: skip
+        torch.device("cpu"),
+        (64, 128),
+        family="ltx_video",
+        text_tokens=4,
+        block_size=16,
+        frame=(4, 4),
+        dtype=torch.float32,
+        progress=False,
+        **TINY,
+    )
     assert [(r["video_tokens"], r["frames"]) for r in result["rows"]] == [(64, 4), (128, 8)]
     assert all(0 < r["attention_s"] < r["forward_s"] for r in result["rows"])
     assert [p["video_tokens"] for p in result["projection"]] == [16 * 16 * 24, 16 * 22 * 38]

@@ -21,8 +21,16 @@ def tiny_cases(device: torch.device, size: str, dtype: torch.dtype = torch.float
 
 
 def test_summary_has_every_method_against_both_oracles(tmp_path) -> None:
-    results = list(run_cases(tiny_cases(torch.device("cpu"), "small"), torch.device("cpu"),
-                             n_steps=1, desc="masks", progress=False, min_seconds=0.0))  # fmt: skip
+    results = list(
+        run_cases(
+            tiny_cases(torch.device("cpu"), "small"),
+            torch.device("cpu"),
+            n_steps=1,
+            desc="masks",
+            progress=False,
+            min_seconds=0.0,
+        )
+    )
     summ = masks.summary(ratios(results))
     assert [s["method"] for s in summ] == list(METHODS)
     for s in summ:
@@ -49,9 +57,16 @@ def test_cli_runs_the_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, capsys) -
     assert {s["method"] for s in payload["masks_summary"]} == set(METHODS)
 
 
-TINY_WAN = {"num_attention_heads": 2, "attention_head_dim": 16, "text_dim": 16,
-            "freq_dim": 16, "ffn_dim": 48, "in_channels": 4, "out_channels": 4,
-            "rope_max_seq_len": 64}  # fmt: skip
+TINY_WAN = {
+    "num_attention_heads": 2,
+    "attention_head_dim": 16,
+    "text_dim": 16,
+    "freq_dim": 16,
+    "ffn_dim": 48,
+    "in_channels": 4,
+    "out_channels": 4,
+    "rope_max_seq_len": 64,
+}
 
 
 def test_wan_model_qkv_is_what_attn1_attends() -> None:
@@ -75,10 +90,10 @@ def test_wan_model_qkv_is_what_attn1_attends() -> None:
 
 def test_wan_model_cases_have_every_method_and_keep() -> None:
     cpu = torch.device("cpu")
-    cases = masks.wan_model_cases(cpu, torch.float32, latent=(3, 16, 16), text_tokens=8,
-                                  stride=4, samples=2, **TINY_WAN)  # fmt: skip
-    results = list(run_cases(cases, cpu, n_steps=1, desc="masks", progress=False,
-                             min_seconds=0.0))  # fmt: skip
+    cases = masks.wan_model_cases(
+        cpu, torch.float32, latent=(3, 16, 16), text_tokens=8, stride=4, samples=2, **TINY_WAN
+    )
+    results = list(run_cases(cases, cpu, n_steps=1, desc="masks", progress=False, min_seconds=0.0))
     summ = masks.summary(ratios(results))
     assert {(s["case"].split()[1], s["keep"]) for s in summ} == {
         (b, keep) for b in ("b0", "b1") for keep in (0.5, 0.25)
@@ -94,11 +109,20 @@ def test_wan_model_cases_have_every_method_and_keep() -> None:
 
 def test_scattered_cases_compare_both_orders_and_the_mass_target(tmp_path, capsys) -> None:
     cases = masks.scattered_cases(
-        torch.device("cpu"), torch.float32, shape=(6, 8, 16), keeps=(0.3,), heads=4, dim=64,
-        block_size=64, samples=2,
-    )  # fmt: skip
-    results = list(run_cases(cases, torch.device("cpu"), n_steps=1, desc="masks",
-                             progress=False, min_seconds=0.0))  # fmt: skip
+        torch.device("cpu"),
+        torch.float32,
+        shape=(6, 8, 16),
+        keeps=(0.3,),
+        heads=4,
+        dim=64,
+        block_size=64,
+        samples=2,
+    )
+    results = list(
+        run_cases(
+            cases, torch.device("cpu"), n_steps=1, desc="masks", progress=False, min_seconds=0.0
+        )
+    )
     summ = masks.summary(ratios(results))
     by = {(s["case"].split()[-1], s["method"]): s for s in summ}
     plain, perm = by[("keep=0.3", "sampled")], by[("keep=0.3", "perm sampled")]

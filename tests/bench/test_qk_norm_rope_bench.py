@@ -49,8 +49,14 @@ def test_cli_runs_the_suite(
 
 def test_summary_checks_the_targets() -> None:
     def row(variant: str, native: float, compile_: float, clone: float | None) -> dict:
-        return {"suite": "qk_norm_rope", "case": "wan", "variant": variant,
-                "vs_native": native, "vs_compile": compile_, "of_clone_bw": clone}  # fmt: skip
+        return {
+            "suite": "qk_norm_rope",
+            "case": "wan",
+            "variant": variant,
+            "vs_native": native,
+            "vs_compile": compile_,
+            "of_clone_bw": clone,
+        }
 
     rows = [row("exact", 3.5, 0.4, 0.1), row("fast", 9.0, 1.2, 0.6)]
     (s,) = bench.summary(rows)

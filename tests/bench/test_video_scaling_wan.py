@@ -18,9 +18,16 @@ TINY_WAN = {**TINY, "num_layers": 1}
 
 def test_wan_times_self_attention_and_projects_to_wan_token_counts(capsys) -> None:
     result = video_scaling.run(
-        torch.device("cpu"), (64, 128), family="wan", text_tokens=8, block_size=16,
-        frame=(8, 8), dtype=torch.float32, progress=False, **TINY_WAN,
-    )  # fmt: skip
+        torch.device("cpu"),
+        (64, 128),
+        family="wan",
+        text_tokens=8,
+        block_size=16,
+        frame=(8, 8),
+        dtype=torch.float32,
+        progress=False,
+        **TINY_WAN,
+    )
     assert result["family"] == "wan" and result["config"]["num_layers"] == 1
     assert result["text_tokens"] == 8 and result["config"]["patch_size"] == [1, 2, 2]
     rows = result["rows"]
@@ -52,8 +59,9 @@ def test_cli_family_wan_writes_json(monkeypatch: pytest.MonkeyPatch, tmp_path, c
 
     def tiny(device, tokens, **kw):
         seen.update(kw)
-        return real(device, (64,), **{**kw, "text_tokens": 4, "block_size": 16,
-                                       "frame": (8, 8), **TINY_WAN})  # fmt: skip
+        return real(
+            device, (64,), **{**kw, "text_tokens": 4, "block_size": 16, "frame": (8, 8), **TINY_WAN}
+        )
 
     monkeypatch.setattr(video_scaling, "run", tiny)
     path = tmp_path / "vs.json"

@@ -70,29 +70,79 @@ def _op(name: str) -> Any:
 
 
 def ada_block_sparse_attention(
-    query, key, value, sparse_mask, sparse_count_table, input_layout="BNSD", sparse_size=128,
-    num_heads=1, num_key_value_heads=1, scale_value=1.0, causal=True, inner_precise=1,
-    pre_tokens=214748647, next_tokens=0, actual_seq_lengths=None, actual_seq_lengths_kv=None,
-):  # fmt: skip
+    query,
+    key,
+    value,
+    sparse_mask,
+    sparse_count_table,
+    input_layout="BNSD",
+    sparse_size=128,
+    num_heads=1,
+    num_key_value_heads=1,
+    scale_value=1.0,
+    causal=True,
+    inner_precise=1,
+    pre_tokens=214748647,
+    next_tokens=0,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+):
     """The documented wrapper: every argument, positionally, to torch.ops.npu."""
     return _op("ada_block_sparse_attention")(
-        query, key, value, sparse_mask, sparse_count_table, input_layout, sparse_size,
-        num_heads, num_key_value_heads, scale_value, causal, inner_precise, pre_tokens,
-        next_tokens, actual_seq_lengths, actual_seq_lengths_kv,
-    )  # fmt: skip
+        query,
+        key,
+        value,
+        sparse_mask,
+        sparse_count_table,
+        input_layout,
+        sparse_size,
+        num_heads,
+        num_key_value_heads,
+        scale_value,
+        causal,
+        inner_precise,
+        pre_tokens,
+        next_tokens,
+        actual_seq_lengths,
+        actual_seq_lengths_kv,
+    )
 
 
 def sparse_block_estimate(
-    query, key, actual_seq_lengths=None, actual_seq_lengths_kv=None, input_layout="BNSD",
-    stride=8, sparse_size=128, num_heads=1, num_key_value_heads=1, scale_value=1.0,
-    threshold=1.0, causal=True, keep_sink=True, keep_recent=True, row_sparse=1.0,
-):  # fmt: skip
+    query,
+    key,
+    actual_seq_lengths=None,
+    actual_seq_lengths_kv=None,
+    input_layout="BNSD",
+    stride=8,
+    sparse_size=128,
+    num_heads=1,
+    num_key_value_heads=1,
+    scale_value=1.0,
+    threshold=1.0,
+    causal=True,
+    keep_sink=True,
+    keep_recent=True,
+    row_sparse=1.0,
+):
     """The documented wrapper: every argument, positionally, to torch.ops.npu."""
     return _op("sparse_block_estimate")(
-        query, key, actual_seq_lengths, actual_seq_lengths_kv, input_layout, stride,
-        sparse_size, num_heads, num_key_value_heads, scale_value, threshold, causal,
-        keep_sink, keep_recent, row_sparse,
-    )  # fmt: skip
+        query,
+        key,
+        actual_seq_lengths,
+        actual_seq_lengths_kv,
+        input_layout,
+        stride,
+        sparse_size,
+        num_heads,
+        num_key_value_heads,
+        scale_value,
+        threshold,
+        causal,
+        keep_sink,
+        keep_recent,
+        row_sparse,
+    )
 
 
 def _modules(wrappers: bool) -> dict[str, types.ModuleType]:

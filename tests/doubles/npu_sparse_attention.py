@@ -67,10 +67,22 @@ def _check_common(op: str, layout: str, heads: int, kv_heads: int, q, k) -> None
     "float row_sparse=1) -> (Tensor, Tensor)",
 )
 def sparse_block_estimate(
-    query, key, actual_seq_lengths, actual_seq_lengths_kv, input_layout, stride, sparse_size,
-    num_heads, num_key_value_heads, scale_value, threshold, causal, keep_sink, keep_recent,
+    query,
+    key,
+    actual_seq_lengths,
+    actual_seq_lengths_kv,
+    input_layout,
+    stride,
+    sparse_size,
+    num_heads,
+    num_key_value_heads,
+    scale_value,
+    threshold,
+    causal,
+    keep_sink,
+    keep_recent,
     row_sparse,
-):  # fmt: skip
+):
     _check_common("sparse_block_estimate", input_layout, num_heads, num_key_value_heads, query, key)
     if actual_seq_lengths is not None or actual_seq_lengths_kv is not None:
         raise RuntimeError("test double: actual_seq_lengths are not modelled")
@@ -153,10 +165,23 @@ _ATTENTION_SCHEMA = (
 
 
 def _ada_block_sparse_attention(
-    query, key, value, sparse_mask, sparse_count_table, input_layout, sparse_size, num_heads,
-    num_key_value_heads, scale_value, causal, inner_precise, pre_tokens, next_tokens,
-    actual_seq_lengths, actual_seq_lengths_kv,
-):  # fmt: skip
+    query,
+    key,
+    value,
+    sparse_mask,
+    sparse_count_table,
+    input_layout,
+    sparse_size,
+    num_heads,
+    num_key_value_heads,
+    scale_value,
+    causal,
+    inner_precise,
+    pre_tokens,
+    next_tokens,
+    actual_seq_lengths,
+    actual_seq_lengths_kv,
+):
     op = "ada_block_sparse_attention"
     if input_layout == "TND":
         raise RuntimeError(f"attentions.{op}: layout TND rejected")

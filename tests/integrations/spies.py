@@ -39,8 +39,13 @@ def spy_forward_cpu(monkeypatch: pytest.MonkeyPatch, classes: Iterable[type]) ->
 
 
 #: The ops each family's fused forwards run (their forward_cpu is what the parity tests spy on).
-WAN_OPS = ("layer_norm_scale_shift", "gated_residual", "scale_residual_layer_norm_scale_shift",
-           "fp32_layer_norm", "qk_norm_rope")  # fmt: skip
+WAN_OPS = (
+    "layer_norm_scale_shift",
+    "gated_residual",
+    "scale_residual_layer_norm_scale_shift",
+    "fp32_layer_norm",
+    "qk_norm_rope",
+)
 FLUX_OPS = ("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "qk_norm_rope")
 HUNYUAN_OPS = (*FLUX_OPS, "rms_norm")
 

@@ -97,8 +97,10 @@ def test_exact_is_bitwise_equal_and_unpatch_restores(
     ref = run(model, **x)
     report = ditops.patch(model, precision="exact")
     assert report.models["ChromaTransformer2DModel"] == {
-        "fused blocks": 4, "fused attention prologues": 4, "fused output norm": 1,
-    }  # fmt: skip
+        "fused blocks": 4,
+        "fused attention prologues": 4,
+        "fused output norm": 1,
+    }
     assert torch.equal(run(model, **x), ref)
     # 2 double blocks (2 modulated norms, 2 residual+norm, 2 residuals, 2 prologues: text
     # and image), 2 single blocks (1 each), the output norm
@@ -131,12 +133,20 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
-    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
-           qk_norm_rope.QKNormRopeOp)  # fmt: skip
+    ops = (
+        adaln.AdaLNModulateOp,
+        adaln.AdaLNResidualModulateOp,
+        adaln.AdaLNResidualOp,
+        qk_norm_rope.QKNormRopeOp,
+    )
     model, x = tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True)
     used = check_triton_paths(monkeypatch, model, x, run, ops, FAST_REL_TOL)
-    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
-                    "qk_norm_rope": 3}  # fmt: skip
+    assert used == {
+        "adaln_modulate": 4,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 3,
+        "qk_norm_rope": 3,
+    }
 
 
 def test_hooks_on_bypassed_norms_run_diffusers_forward_bitwise() -> None:

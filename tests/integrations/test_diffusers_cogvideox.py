@@ -62,8 +62,14 @@ LAYOUTS = {
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL = "CogVideoXTransformer3DModel"
-OPS = ("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "layer_norm_scale_shift",
-       "scale_residual_layer_norm_scale_shift", "rotary_embedding")  # fmt: skip
+OPS = (
+    "adaln_modulate",
+    "adaln_residual",
+    "adaln_residual_modulate",
+    "layer_norm_scale_shift",
+    "scale_residual_layer_norm_scale_shift",
+    "rotary_embedding",
+)
 
 
 def tiny_cogvideox(
@@ -91,9 +97,11 @@ def inputs(
     if cfg.use_rotary_positional_embeddings:
         side = hw // cfg.patch_size
         x["image_rotary_emb"] = get_3d_rotary_pos_embed(
-            cfg.attention_head_dim, ((0, 0), (side, side)), (side, side),
+            cfg.attention_head_dim,
+            ((0, 0), (side, side)),
+            (side, side),
             frames // (cfg.patch_size_t or 1),
-        )  # fmt: skip
+        )
     return x
 
 
@@ -115,8 +123,12 @@ def fused_calls(dtype: str, affine: bool, rotary: bool) -> dict[str, int]:
     expression); norms without affine on the model-dtype ops; rotary for q and k."""
     calls = {"rotary_embedding": 2 * 2} if rotary else {}
     if not affine:
-        return {**calls, "adaln_modulate": 2 * 2 + 1, "adaln_residual_modulate": 2 * 2,
-                "adaln_residual": 2 * 2}  # fmt: skip
+        return {
+            **calls,
+            "adaln_modulate": 2 * 2 + 1,
+            "adaln_residual_modulate": 2 * 2,
+            "adaln_residual": 2 * 2,
+        }
     if dtype == "fp32":
         chain = {"layer_norm_scale_shift": 2 * 2 + 1, "scale_residual_layer_norm_scale_shift": 4}
         return {**calls, **chain, "adaln_residual": 2 * 2}
@@ -125,9 +137,17 @@ def fused_calls(dtype: str, affine: bool, rotary: bool) -> dict[str, int]:
 
 @pytest.mark.parametrize(
     ("layout", "dtype", "batch"),
-    [("v10", "fp32", 1), ("v10", "bf16", 2), ("v10", "fp16", 2), ("v15", "fp32", 2),
-     ("v15", "bf16", 1), ("v15", "fp16", 1), ("v10_2b", "fp16", 2), ("v10_2b", "fp32", 1)],
-)  # fmt: skip
+    [
+        ("v10", "fp32", 1),
+        ("v10", "bf16", 2),
+        ("v10", "fp16", 2),
+        ("v15", "fp32", 2),
+        ("v15", "bf16", 1),
+        ("v15", "fp16", 1),
+        ("v10_2b", "fp16", 2),
+        ("v10_2b", "fp32", 1),
+    ],
+)
 def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     layout: str, dtype: str, batch: int, cpu_paths: dict[str, int]
 ) -> None:
@@ -235,15 +255,24 @@ def test_a_norm_of_the_users_leaves_its_block_unfused() -> None:
 @pytest.mark.parametrize(
     ("owner", "name", "fragment"),
     [
-        ("normalization.CogVideoXLayerNormZero", "forward",
-         r"CogVideoXLayerNormZero.forward of diffusers .* differs"),
-        ("cogvideox_transformer_3d.CogVideoXBlock", "forward",
-         r"transformer_blocks\[0\] is a CogVideoXBlock whose forward .* none ditops knows"),
-        ("attention_processor.CogVideoXAttnProcessor2_0", "__call__",
-         r"attn1.processor CogVideoXAttnProcessor2_0.__call__ .* differs"),
+        (
+            "normalization.CogVideoXLayerNormZero",
+            "forward",
+            r"CogVideoXLayerNormZero.forward of diffusers .* differs",
+        ),
+        (
+            "cogvideox_transformer_3d.CogVideoXBlock",
+            "forward",
+            r"transformer_blocks\[0\] is a CogVideoXBlock whose forward .* none ditops knows",
+        ),
+        (
+            "attention_processor.CogVideoXAttnProcessor2_0",
+            "__call__",
+            r"attn1.processor CogVideoXAttnProcessor2_0.__call__ .* differs",
+        ),
         ("embeddings", "apply_rotary_emb", r"apply_rotary_emb of diffusers .* differs"),
     ],
-)  # fmt: skip
+)
 def test_a_changed_diffusers_forward_is_refused_changing_nothing(
     monkeypatch: pytest.MonkeyPatch, owner: str, name: str, fragment: str
 ) -> None:
@@ -322,13 +351,20 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     attention itself runs diffusers' SDPA."""
     from ditops.ops import modulation_fp32, modulation_model_dtype, qk_norm_rope
 
-    ops = (modulation_fp32.LayerNormScaleShiftOp,
-           modulation_fp32.ScaleResidualLayerNormScaleShiftOp,
-           modulation_model_dtype.AdaLNResidualOp, qk_norm_rope.RotaryEmbeddingOp)  # fmt: skip
+    ops = (
+        modulation_fp32.LayerNormScaleShiftOp,
+        modulation_fp32.ScaleResidualLayerNormScaleShiftOp,
+        modulation_model_dtype.AdaLNResidualOp,
+        qk_norm_rope.RotaryEmbeddingOp,
+    )
     model = tiny_cogvideox(layout="v15", num_layers=1)
     used = check_triton_paths(monkeypatch, model, inputs(model, batch=2), run, ops, FAST_REL_TOL)
-    assert used == {"layer_norm_scale_shift": 3, "scale_residual_layer_norm_scale_shift": 2,
-                    "adaln_residual": 2, "rotary_embedding": 2}  # fmt: skip
+    assert used == {
+        "layer_norm_scale_shift": 3,
+        "scale_residual_layer_norm_scale_shift": 2,
+        "adaln_residual": 2,
+        "rotary_embedding": 2,
+    }
 
 
 @pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])

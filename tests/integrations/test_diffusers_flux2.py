@@ -172,8 +172,10 @@ def test_kv_cache_processors_are_kept_and_per_token_modulations_fused(
     want = _kv_runs(model, x)
     report = ditops.patch(model, precision="exact")
     assert report.models[NAME] == {
-        "fused blocks": 4, "fused output norm": 1, "attention processors kept": 4
-    }  # fmt: skip
+        "fused blocks": 4,
+        "fused output norm": 1,
+        "attention processors kept": 4,
+    }
     got = _kv_runs(model, x)
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert cpu_paths["adaln_residual_modulate"] == 2 * 2 * 2  # both calls ran fused
@@ -344,8 +346,9 @@ def test_block_level_group_offloading_in_both_orders(
     model = tiny_flux2()
     if patch_first:
         ditops.patch(model, precision="exact")
-    model.enable_group_offload(torch.device("cpu"), offload_type="block_level",
-                               num_blocks_per_group=1)  # fmt: skip
+    model.enable_group_offload(
+        torch.device("cpu"), offload_type="block_level", num_blocks_per_group=1
+    )
     if not patch_first:
         assert ditops.patch(model, precision="exact").models[NAME] == FUSED
     assert torch.equal(run(model, **x), want)
@@ -365,9 +368,17 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
-    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
-           qk_norm_rope.QKNormRopeOp)  # fmt: skip
+    ops = (
+        adaln.AdaLNModulateOp,
+        adaln.AdaLNResidualModulateOp,
+        adaln.AdaLNResidualOp,
+        qk_norm_rope.QKNormRopeOp,
+    )
     model = tiny_flux2(num_layers=1, num_single_layers=1)
     used = check_triton_paths(monkeypatch, model, inputs(batch=2), run, ops, FAST_REL_TOL)
-    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "adaln_residual": 3,
-                    "qk_norm_rope": 3}  # fmt: skip
+    assert used == {
+        "adaln_modulate": 4,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 3,
+        "qk_norm_rope": 3,
+    }

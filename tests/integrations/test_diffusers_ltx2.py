@@ -69,9 +69,12 @@ def tiny_ltx2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Mo
 
 
 def inputs(
-    dtype: torch.dtype = torch.bfloat16, batch: int = 1, frames: int = 2, hw: int = 4,
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+    frames: int = 2,
+    hw: int = 4,
     t: float = 500.0,
-) -> dict:  # fmt: skip
+) -> dict:
     g = torch.Generator().manual_seed(1)
     mask = torch.ones(batch, TEXT)
     mask[:, -2:] = 0
@@ -109,16 +112,25 @@ cpu_paths = cpu_paths_of("rms_norm", "adaln_residual", "qk_norm_rope")
 VARIANTS = {
     "plain": {},
     "split_rope": {"rope_type": "split"},
-    "ltx23": {"cross_attn_mod": True, "audio_cross_attn_mod": True, "gated_attn": True,
-              "audio_gated_attn": True},
-}  # fmt: skip
+    "ltx23": {
+        "cross_attn_mod": True,
+        "audio_cross_attn_mod": True,
+        "gated_attn": True,
+        "audio_gated_attn": True,
+    },
+}
 
 
 @pytest.mark.parametrize(
     ("dtype", "batch", "variant"),
-    [("fp32", 1, "plain"), ("bf16", 2, "plain"), ("fp16", 1, "plain"), ("bf16", 1, "split_rope"),
-     ("bf16", 2, "ltx23")],
-)  # fmt: skip
+    [
+        ("fp32", 1, "plain"),
+        ("bf16", 2, "plain"),
+        ("fp16", 1, "plain"),
+        ("bf16", 1, "split_rope"),
+        ("bf16", 2, "ltx23"),
+    ],
+)
 def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     dtype: str, batch: int, variant: str, cpu_paths: dict[str, int]
 ) -> None:

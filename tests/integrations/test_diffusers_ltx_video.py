@@ -60,9 +60,13 @@ def tiny_ltx(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Mod
 
 
 def inputs(
-    dtype: torch.dtype = torch.bfloat16, batch: int = 1, frames: int = 2, hw: int = 4,
-    per_token: bool = False, t: int = 500,
-) -> dict:  # fmt: skip
+    dtype: torch.dtype = torch.bfloat16,
+    batch: int = 1,
+    frames: int = 2,
+    hw: int = 4,
+    per_token: bool = False,
+    t: int = 500,
+) -> dict:
     g = torch.Generator().manual_seed(1)
     tokens = frames * hw * hw
     timestep = torch.tensor([t] * batch)

@@ -114,9 +114,11 @@ def _coords(frames: int, hw: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("appended", [0, 16])
 def test_sparse_call_with_coordinates_finds_the_grid(
-    appended: int, estimates: list, caplog: pytest.LogCaptureFixture,
+    appended: int,
+    estimates: list,
+    caplog: pytest.LogCaptureFixture,
     monkeypatch: pytest.MonkeyPatch,
-) -> None:  # fmt: skip
+) -> None:
     """LTXConditionPipeline gives video_coords, not the grid: read from the coordinates,
     the first frame's blocks dense; with conditioning tokens appended (no grid) the sparse
     step runs without them, at the density asked, and ditops says so."""
@@ -168,8 +170,18 @@ def test_positional_calls_are_read_by_name() -> None:
     model = tiny_ltx()
     ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, skip_first_steps=1))
     x = inputs(frames=3)
-    args = [x[k] for k in ("hidden_states", "encoder_hidden_states", "timestep",
-                           "encoder_attention_mask", "num_frames", "height", "width")]  # fmt: skip
+    args = [
+        x[k]
+        for k in (
+            "hidden_states",
+            "encoder_hidden_states",
+            "timestep",
+            "encoder_attention_mask",
+            "num_frames",
+            "height",
+            "width",
+        )
+    ]
     with torch.inference_mode():
         for step, t in enumerate((900, 800)):
             with model.cache_context("cond_uncond"):

@@ -159,8 +159,10 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     x = inputs()
     ref = run(model, **x)
     report = ditops.patch(model, precision="exact")
-    assert "norm3_context is a MochiModulatedRMSNorm, not a MochiModulatedRMSNorm over an " \
-        "RMSNorm without weight" in report.unfused[NAME]["transformer_blocks.0"]  # fmt: skip
+    assert (
+        "norm3_context is a MochiModulatedRMSNorm, not a MochiModulatedRMSNorm over an "
+        "RMSNorm without weight" in report.unfused[NAME]["transformer_blocks.0"]
+    )
     assert report.models[NAME]["fused blocks"] == 1
     assert torch.equal(run(model, **x), ref)
 

@@ -275,17 +275,23 @@ def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        (_changed(tq.QwenImageTransformerBlock, "forward"),
-         r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose"),
-        (_changed(tq.QwenImageTransformerBlock, "_modulate"),
-         r"QwenImageTransformerBlock._modulate of diffusers .* differs"),
+        (
+            _changed(tq.QwenImageTransformerBlock, "forward"),
+            r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose",
+        ),
+        (
+            _changed(tq.QwenImageTransformerBlock, "_modulate"),
+            r"QwenImageTransformerBlock._modulate of diffusers .* differs",
+        ),
         (_changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
-        (_changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
-         r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \("),
+        (
+            _changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
+            r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \(",
+        ),
         (_eps, r"transformer_blocks\[1\].attn.norm_added_q/norm_added_k have different eps"),
     ],
     ids=["block_forward", "modulate", "rotary", "processor", "qk_eps"],
-)  # fmt: skip
+)
 def test_models_it_was_not_written_for_are_refused_whole(
     change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -356,5 +362,9 @@ def test_compile_first_fullgraph_without_recompiles() -> None:
 def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
     one_block = replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1))
     used = on_the_triton_paths(one_block, monkeypatch, FLUX_OPS, FAST_REL_TOL)
-    assert used == {"adaln_modulate": 3, "adaln_residual_modulate": 2, "adaln_residual": 2,
-                    "qk_norm_rope": 2}  # fmt: skip
+    assert used == {
+        "adaln_modulate": 3,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 2,
+        "qk_norm_rope": 2,
+    }

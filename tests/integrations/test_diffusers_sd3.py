@@ -95,8 +95,10 @@ def test_sd3_exact_is_bitwise_equal_and_unpatch_restores(
     report = ditops.patch(model, precision="exact")
     # no q/k norms (SD3.0): diffusers' processors stay, counted as kept
     assert report.models["SD3Transformer2DModel"] == {
-        "fused blocks": 3, "fused output norm": 1, "attention processors kept": 3,
-    }  # fmt: skip
+        "fused blocks": 3,
+        "fused output norm": 1,
+        "attention processors kept": 3,
+    }
     assert torch.equal(run(model, **x), ref)
     # 3 blocks: 2 modulated norms each (the last one's text norm is the continuous one),
     # + norm_out; residual+norm per stream with an MLP half (2 + 2 + 1); the MLPs' residuals
@@ -119,8 +121,10 @@ def test_sd35_exact_is_bitwise_equal_and_unpatch_restores(
     ref = run(model, **x)
     report = ditops.patch(model, precision="exact")
     assert report.models["SD3Transformer2DModel"] == {
-        "fused blocks": 3, "fused output norm": 1, "fused attention prologues": 4,
-    }  # fmt: skip
+        "fused blocks": 3,
+        "fused output norm": 1,
+        "fused attention prologues": 4,
+    }
     assert torch.equal(run(model, **x), ref)
     # as SD3, plus the dual block's second modulation and its extra residual; the q/k
     # norms: 4 per joint attention (3), 2 for attn2
@@ -156,15 +160,23 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     from ditops.ops import modulation_model_dtype as adaln
     from ditops.ops import qk_norm_rope
 
-    ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
-           qk_norm_rope.RMSNormOp)  # fmt: skip
+    ops = (
+        adaln.AdaLNModulateOp,
+        adaln.AdaLNResidualModulateOp,
+        adaln.AdaLNResidualOp,
+        qk_norm_rope.RMSNormOp,
+    )
     used = check_triton_paths(
         monkeypatch, tiny_sd3(num_layers=2, **SD35), inputs(batch=2), run, ops, FAST_REL_TOL
     )
     # modulations: 3 (dual: norm1 twice) + 2 + 1 (norm_out); residual+norm: 2 + 1 (the
     # last block has no text MLP); residuals: 3 (dual: attn's) + 1; q/k norms: 4 + 2 + 4
-    assert used == {"adaln_modulate": 6, "adaln_residual_modulate": 3, "adaln_residual": 4,
-                    "rms_norm": 10}  # fmt: skip
+    assert used == {
+        "adaln_modulate": 6,
+        "adaln_residual_modulate": 3,
+        "adaln_residual": 4,
+        "rms_norm": 10,
+    }
 
 
 def test_processor_calls_match_the_original_in_values_and_strides() -> None:
@@ -175,8 +187,10 @@ def test_processor_calls_match_the_original_in_values_and_strides() -> None:
     g = torch.Generator().manual_seed(3)
     h = torch.randn(2, 9, 16, generator=g).bfloat16()
     c = torch.randn(2, 4, 16, generator=g).bfloat16()
-    for attn, context in ((model.transformer_blocks[0].attn2, None),
-                          (model.transformer_blocks[2].attn, c)):  # fmt: skip
+    for attn, context in (
+        (model.transformer_blocks[0].attn2, None),
+        (model.transformer_blocks[2].attn, c),
+    ):
         with torch.inference_mode():
             got = attn.processor(attn, h, context)
             want = attn.processor.original(attn, h, context)

@@ -110,8 +110,12 @@ cpu_paths = cpu_paths_of(*ZIMAGE_OPS)  # counts the calls reaching each op's for
 
 def per_forward(blocks: int) -> dict[str, int]:
     """Per block: four RMSNorms, two residuals, one prologue; the final layer's norm."""
-    return {"rms_norm": 4 * blocks, "adaln_residual": 2 * blocks, "qk_norm_rope": blocks,
-            "adaln_modulate": 1}  # fmt: skip
+    return {
+        "rms_norm": 4 * blocks,
+        "adaln_residual": 2 * blocks,
+        "qk_norm_rope": blocks,
+        "adaln_modulate": 1,
+    }
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -271,17 +275,21 @@ def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        (_changed(tz.ZImageTransformerBlock, "forward"),
-         r"noise_refiner\[0\] is a ZImageTransformerBlock whose forward"),
+        (
+            _changed(tz.ZImageTransformerBlock, "forward"),
+            r"noise_refiner\[0\] is a ZImageTransformerBlock whose forward",
+        ),
         (_changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
         (_changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
-        (_changed(tz.ZSingleStreamAttnProcessor, "__call__"),
-         r"attention.processor ZSingleStreamAttnProcessor.__call__ \("),
+        (
+            _changed(tz.ZSingleStreamAttnProcessor, "__call__"),
+            r"attention.processor ZSingleStreamAttnProcessor.__call__ \(",
+        ),
         (_eps, r"layers\[1\].attention.norm_q/norm_k have different eps"),
         (_final_norm, r"all_final_layer\['2-1'\].norm_final is not a LayerNorm without affine"),
     ],
     ids=["block_forward", "final_forward", "select_per_token", "processor", "qk_eps", "final"],
-)  # fmt: skip
+)
 def test_models_it_was_not_written_for_are_refused_whole(
     change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -92,8 +92,11 @@ EDGES: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict], bool]] = {
     "wan inf text": (_wan, lambda: _with(W, encoder_hidden_states=INF_TEXT), True),
     "wan fp16 overflow": (_wan16, lambda: _with(W16, hidden_states=lambda t: t * 3e4), True),
     "hunyuan_video one frame": (hv_t.tiny_hunyuan, lambda: hv_t.inputs(frames=1, hw=16), True),
-    "hunyuan_video batch 2": (hv_t.tiny_hunyuan, lambda: hv_t.inputs(batch=2, frames=4, hw=16),
-                              True),
+    "hunyuan_video batch 2": (
+        hv_t.tiny_hunyuan,
+        lambda: hv_t.inputs(batch=2, frames=4, hw=16),
+        True,
+    ),
     "hunyuan_video one valid text token": (hv_t.tiny_hunyuan, _hv_one_valid_token, True),
     "hunyuan_video15 one frame": (hv15_t.tiny_model, lambda: hv15_t.inputs(frames=1, hw=16), True),
     "flux fp16 batch 2": (
@@ -101,7 +104,7 @@ EDGES: dict[str, tuple[Callable[[], nn.Module], Callable[[], dict], bool]] = {
         lambda: flux_t.inputs(torch.float16, batch=2),
         False,
     ),
-}  # fmt: skip
+}
 
 
 def _same_non_finite(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -16,7 +16,12 @@ from ditops.attention.block_mask import num_blocks
 from ditops.attention.layout import to_bnsd
 from ditops.ops.block_sparse_attention import block_sparse_attention
 from tests.attention.helpers import dense_oracle, random_mask
-from tests.layers.test_attention import assert_attention_close, bsnd, native_attention, qkv
+from tests.ops.test_block_sparse_attention import (
+    assert_attention_close,
+    bsnd,
+    native_attention,
+    qkv,
+)
 
 gathered = kernel.gathered_block_sparse_attention
 
@@ -129,8 +134,7 @@ def test_every_row_selecting_the_same_count_is_one_bucket() -> None:
     """A top-k mask: one bucket whose rows are in order (queries and outputs are views)."""
     mask = torch.zeros(1, 2, 4, 4, dtype=torch.int8)
     mask[..., :2] = 1
-    buckets, empty = kernel.plan_buckets(mask, q_len=512, kv_len=512, block_size=128,
-                                         causal=False)  # fmt: skip
+    buckets, empty = kernel.plan_buckets(mask, q_len=512, kv_len=512, block_size=128, causal=False)
     assert len(buckets) == 1 and empty.numel() == 0
     assert buckets[0].rows.tolist() == list(range(8))
     q, k, v = qkv(2, 2, 512, 16, torch.float32)
@@ -145,8 +149,9 @@ def test_plan_buckets_lengths_and_causal_offsets() -> None:
     assert shapes == [([0], 4, 10, -1), ([1], 4, 6, -1)]
     assert empty.tolist() == [2]
     buckets, empty = kernel.plan_buckets(mask, q_len=12, kv_len=10, block_size=4, causal=True)
-    shapes = sorted((b.rows.tolist(), b.blocks.tolist(), b.kv_len, b.causal_offset)
-                    for b in buckets)  # fmt: skip
+    shapes = sorted(
+        (b.rows.tolist(), b.blocks.tolist(), b.kv_len, b.causal_offset) for b in buckets
+    )
     # Rows 0 and 1 keep their diagonal block only (4 keys, the mask from key 0 on).
     assert shapes == [([0, 1], [[0], [1]], 4, 0)]
     assert empty.tolist() == [2]
@@ -187,8 +192,9 @@ def test_concurrent_calls_do_not_share_buffers() -> None:
     mask, _ = random_mask(1, 2, 8, 8, density=0.5, seed=11)
     want = run(q, k, v, mask)
     results: list[torch.Tensor] = []
-    threads = [threading.Thread(target=lambda: results.append(run(q, k, v, mask)))
-               for _ in range(4)]  # fmt: skip
+    threads = [
+        threading.Thread(target=lambda: results.append(run(q, k, v, mask))) for _ in range(4)
+    ]
     for t in threads:
         t.start()
     for t in threads:
@@ -228,27 +234,43 @@ def _paired_mask() -> torch.Tensor:
     private items), 4/5 share 1 of 4 (below half: served one by one); head 1 blocks 0/1
     are a pair where one side selects nothing more, 2 selects nothing, 4/5 pair."""
     rows = [
-        [[1, 0, 1, 0, 0, 1], [1, 0, 1, 0, 0, 1], [0, 1, 1, 0, 1, 0],
-         [1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 0, 0], [1, 0, 0, 0, 1, 1]],
-        [[0, 1, 1, 1, 0, 0], [0, 1, 1, 0, 0, 0], [0, 0, 0, 0, 0, 0],
-         [1, 1, 0, 0, 0, 1], [0, 0, 0, 1, 1, 1], [1, 0, 0, 1, 1, 1]],
-    ]  # fmt: skip
+        [
+            [1, 0, 1, 0, 0, 1],
+            [1, 0, 1, 0, 0, 1],
+            [0, 1, 1, 0, 1, 0],
+            [1, 1, 1, 0, 0, 0],
+            [1, 1, 1, 1, 0, 0],
+            [1, 0, 0, 0, 1, 1],
+        ],
+        [
+            [0, 1, 1, 1, 0, 0],
+            [0, 1, 1, 0, 0, 0],
+            [0, 0, 0, 0, 0, 0],
+            [1, 1, 0, 0, 0, 1],
+            [0, 0, 0, 1, 1, 1],
+            [1, 0, 0, 1, 1, 1],
+        ],
+    ]
     return torch.tensor([rows], dtype=torch.int8)
 
 
 def test_plan_buckets_pairs_neighbouring_query_blocks() -> None:
-    buckets, empty = kernel.plan_buckets(_paired_mask(), q_len=768, kv_len=768, block_size=128,
-                                         causal=False, pair=True)  # fmt: skip
-    got = {kind: sorted(r for b in buckets if b.kind == kind for r in b.rows.tolist())
-           for kind in ("pair", "private", "single")}  # fmt: skip
+    buckets, empty = kernel.plan_buckets(
+        _paired_mask(), q_len=768, kv_len=768, block_size=128, causal=False, pair=True
+    )
+    got = {
+        kind: sorted(r for b in buckets if b.kind == kind for r in b.rows.tolist())
+        for kind in ("pair", "private", "single")
+    }
     # Flat rows: head 0 is 0..5, head 1 is 6..11. Row 8 selects nothing.
     assert got == {"pair": [0, 2, 6, 10], "private": [2, 3, 6, 11], "single": [4, 5, 9]}
     assert empty.tolist() == [8]
     pair = next(b for b in buckets if b.kind == "pair" and 2 in b.rows.tolist())
     assert pair.q_len == 256 and pair.kv_len == 2 * 128
     # Causal masks are never paired (each block has its own diagonal).
-    buckets, _ = kernel.plan_buckets(_paired_mask(), q_len=768, kv_len=768, block_size=128,
-                                     causal=True, pair=True)  # fmt: skip
+    buckets, _ = kernel.plan_buckets(
+        _paired_mask(), q_len=768, kv_len=768, block_size=128, causal=True, pair=True
+    )
     assert {b.kind for b in buckets} == {"single"}
 
 

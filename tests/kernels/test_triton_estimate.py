@@ -44,15 +44,26 @@ def both_scores(q, k, *, causal, passes=1, block_size=32, stride=4, tiles=None):
     )
     if tiles is None:
         got = tes.block_scores(
-            q, k, block_size=block_size, stride=stride, score_scale=scale, causal=causal,
+            q,
+            k,
+            block_size=block_size,
+            stride=stride,
+            score_scale=scale,
+            causal=causal,
             passes=passes,
-        )  # fmt: skip
+        )
     else:
         got = torch.zeros_like(want)
         tes.launch(
-            q * scale, k, got, block_size=block_size, stride=stride, causal=causal,
-            passes=passes, tiles=tiles,
-        )  # fmt: skip
+            q * scale,
+            k,
+            got,
+            block_size=block_size,
+            stride=stride,
+            causal=causal,
+            passes=passes,
+            tiles=tiles,
+        )
     return got, want
 
 
@@ -190,8 +201,14 @@ CASES = {
 def test_masks_match_native_except_near_ties(dtype, case, layout):
     keep_ratio, threshold, sink, recent, causal, dense = CASES[case]
     q, k = make_qk(4, 2, 420, dim=16, dtype=dtype, seed=9)
-    opts = {"keep_ratio": keep_ratio, "threshold": threshold, "keep_sink": sink,
-            "keep_recent": recent, "causal": causal, "dense_blocks": dense}  # fmt: skip
+    opts = {
+        "keep_ratio": keep_ratio,
+        "threshold": threshold,
+        "keep_sink": sink,
+        "keep_recent": recent,
+        "causal": causal,
+        "dense_blocks": dense,
+    }
     qi, ki = (q, k) if layout == "BNSD" else (q.transpose(1, 2), k.transpose(1, 2))
     (mask, counts), (want, want_counts) = op_masks(qi, ki, layout=layout, **opts, **SMALL)
     assert mask.dtype == torch.int8 and counts.dtype == torch.int32
@@ -206,8 +223,14 @@ def test_masks_match_native_except_near_ties(dtype, case, layout):
 @pytest.mark.parametrize("forced_blocks", ["in_budget", "on_top"])
 def test_the_tie_criterion_rejects_real_differences(forced_blocks):
     q, k = make_qk(2, 2, 420, dim=16, seed=10)
-    opts = {"keep_ratio": 0.3, "threshold": 0.8, "keep_sink": True, "keep_recent": True,
-            "causal": False, "forced_blocks": forced_blocks}  # fmt: skip
+    opts = {
+        "keep_ratio": 0.3,
+        "threshold": 0.8,
+        "keep_sink": True,
+        "keep_recent": True,
+        "causal": False,
+        "forced_blocks": forced_blocks,
+    }
     (mask, _), (want, _) = op_masks(q, k, **opts, **SMALL)
     scores = native_block_scores(q, k, score_scale=16**-0.5 / 4, causal=False, **SMALL)
     tol = (rtol(BF16, 1), ATOL)
@@ -242,8 +265,14 @@ def test_nan_masks_keep_only_forced_blocks_as_native(causal):
     """NaN scores are never selected: a NaN row keeps its sink, recent and dense blocks."""
     q, k = make_qk(2, 1, 300, dim=16, seed=11)
     q[0, 1, 100, 0] = float("nan")  # head 1, strided row 25: query block 3
-    opts = {"keep_ratio": 0.3, "threshold": 0.9, "keep_sink": True, "keep_recent": True,
-            "causal": causal, "dense_blocks": 1}  # fmt: skip
+    opts = {
+        "keep_ratio": 0.3,
+        "threshold": 0.9,
+        "keep_sink": True,
+        "keep_recent": True,
+        "causal": causal,
+        "dense_blocks": 1,
+    }
     (mask, counts), (want, want_counts) = op_masks(q, k, **opts, **SMALL)
     assert torch.equal(mask, want) and torch.equal(counts, want_counts)
     row = torch.zeros(10, dtype=torch.int8)

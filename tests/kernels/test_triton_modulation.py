@@ -193,9 +193,18 @@ def test_looped_path_for_wide_rows(fused):
     if fused:
         new_residual = torch.empty_like(x)
         tln.launch_layer_norm(
-            x, out, weight, bias, EPS, residual=residual, gate=gate,
-            new_residual=new_residual, scale=scale, shift=shift, max_block_c=32,
-        )  # fmt: skip
+            x,
+            out,
+            weight,
+            bias,
+            EPS,
+            residual=residual,
+            gate=gate,
+            new_residual=new_residual,
+            scale=scale,
+            shift=shift,
+            max_block_c=32,
+        )
         expected_residual = eager_gated_residual(residual, x, gate)
         assert torch.equal(new_residual, expected_residual)
         normalised = expected_residual

@@ -72,8 +72,9 @@ def test_fused_without_weights_and_nan() -> None:
     q, k = torch.randn(B, L, H, D).bfloat16(), torch.randn(B, L, H, D).bfloat16()
     q[1, 2, 1, 3] = float("nan")
     cos, sin = _tables("shared_full")
-    want = qk_norm_rope.op.forward_native(q, k, None, None, cos.unsqueeze(2), sin.unsqueeze(2),
-                                       EPS, across_heads=False)  # fmt: skip
+    want = qk_norm_rope.op.forward_native(
+        q, k, None, None, cos.unsqueeze(2), sin.unsqueeze(2), EPS, across_heads=False
+    )
     got = T.qk_norm_rope(q, k, None, None, cos, sin, EPS, False, "interleaved", "torch")
     assert got[0][1, 2, 1].isnan().all() and not got[0][1, 2, 0].isnan().any()
     assert_fast_pairs(got[0], want[0], "interleaved", slack=10)

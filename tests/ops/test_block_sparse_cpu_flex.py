@@ -4,7 +4,7 @@ gathered-SDPA path does, and what happens when FlexAttention cannot run.
 Whether this machine has AMX is replaced by a stand-in either way (``amx_tiles``), so the
 choice is tested the same on any CPU; the FlexAttention code itself runs (compiled) on
 every CPU, AMX or not. The numerics of the path are tested in
-``tests/layers/test_attention.py::test_causal_bf16_odd_length[cpu_flex]``.
+``tests/ops/test_block_sparse_attention.py::test_causal_bf16_odd_length[cpu_flex]``.
 """
 
 from __future__ import annotations

@@ -85,9 +85,10 @@ def triton_tolerance(x: torch.Tensor, b: torch.Tensor | None) -> float:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize(
-    ("shape", "bias"), [((7,), "same"), ((3, 100), "same"), ((2, 3, 130), "fp32"), ((5, 64), None)],
+    ("shape", "bias"),
+    [((7,), "same"), ((3, 100), "same"), ((2, 3, 130), "fp32"), ((5, 64), None)],
     ids=str,
-)  # fmt: skip
+)
 def test_triton_path_matches_native(shape, bias, dtype) -> None:
     x, b = inputs(shape, dtype, FP32 if bias == "fp32" else None)
     b = None if bias is None else b
@@ -117,19 +118,31 @@ def test_triton_path_strided_x_and_deep_negative_inputs() -> None:
     ("args", "error", "match"),
     [
         (([1.0, 2.0], None), TypeError, r"gelu_tanh_bias: x must be a tensor, got list"),
-        ((torch.ones(3, dtype=torch.int32), None), TypeError,
-         r"x dtype int32 not supported; expected"),
+        (
+            (torch.ones(3, dtype=torch.int32), None),
+            TypeError,
+            r"x dtype int32 not supported; expected",
+        ),
         ((torch.ones(2, 4), [0.0] * 4), TypeError, r"bias must be a tensor, got list"),
-        ((torch.ones(2, 4, dtype=BF16), torch.ones(4, dtype=FP16)), TypeError,
-         r"bias dtype float16 not supported; expected bfloat16, float32"),
-        ((torch.ones(2, 4), torch.ones(4, dtype=BF16)), TypeError,
-         r"bias dtype bfloat16 not supported; expected float32"),
-        ((torch.ones(2, 4), torch.ones(5)), ValueError,
-         r"bias of shape \(5,\) does not fit x of shape \(2, 4\); expected a 1-D bias .*\(4,\)"),
+        (
+            (torch.ones(2, 4, dtype=BF16), torch.ones(4, dtype=FP16)),
+            TypeError,
+            r"bias dtype float16 not supported; expected bfloat16, float32",
+        ),
+        (
+            (torch.ones(2, 4), torch.ones(4, dtype=BF16)),
+            TypeError,
+            r"bias dtype bfloat16 not supported; expected float32",
+        ),
+        (
+            (torch.ones(2, 4), torch.ones(5)),
+            ValueError,
+            r"bias of shape \(5,\) does not fit x of shape \(2, 4\); expected a 1-D bias .*\(4,\)",
+        ),
         ((torch.ones(2, 4), torch.ones(1, 4)), ValueError, r"bias of shape \(1, 4\)"),
         ((torch.tensor(1.0), torch.ones(1)), ValueError, r"expected .*None \(x is a scalar\)"),
     ],
-)  # fmt: skip
+)
 def test_bad_inputs_raise_saying_what_was_expected(args, error, match) -> None:
     with pytest.raises(error, match=match):
         op(*args)
