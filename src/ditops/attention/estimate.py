@@ -137,9 +137,13 @@ def estimate_block_mask_reference(
         )
     else:
         scores = block_scores(
-            qb_, kb_, block_size=block_size, stride=stride, score_scale=scale / stride,
+            qb_,
+            kb_,
+            block_size=block_size,
+            stride=stride,
+            score_scale=scale / stride,
             causal=sel.causal,
-        )  # fmt: skip
+        )
     return mask_from_scores(scores, sel)
 
 

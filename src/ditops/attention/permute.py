@@ -136,8 +136,11 @@ class TokenPermutation:
         return TokenPermutation(
             torch.where(q_keep, self.q_order, q_id),
             torch.where(clustered[..., None], self.k_order, k_id),
-            self.q_centroids, self.k_centroids, self.fixed, clustered,
-        )  # fmt: skip
+            self.q_centroids,
+            self.k_centroids,
+            self.fixed,
+            clustered,
+        )
 
     @staticmethod
     def _flat(order: torch.Tensor) -> torch.Tensor:

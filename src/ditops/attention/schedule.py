@@ -138,8 +138,14 @@ class BlockSparseConfig:
         # compare and hash equal, and repr reads as the user wrote them.
         for name in ("sparsity", "threshold"):
             object.__setattr__(self, name, _check_float(name, getattr(self, name)))
-        for name, low in (("skip_first_steps", 0), ("block_size", 1), ("stride", 1),
-                          ("estimate_every", 1), ("samples", 1), ("clusters", 0)):  # fmt: skip
+        for name, low in (
+            ("skip_first_steps", 0),
+            ("block_size", 1),
+            ("stride", 1),
+            ("estimate_every", 1),
+            ("samples", 1),
+            ("clusters", 0),
+        ):
             value = getattr(self, name)
             number = as_int(value)
             if number is not None and number >= low:
@@ -188,9 +194,13 @@ class BlockSparseConfig:
         )
         if self.mass is not None:
             sel = BlockSelection(
-                threshold=threshold, forced_blocks=self.forced_blocks, method=self.method,
-                samples=self.samples, mass=self.mass, where="BlockSparseConfig",
-            )  # fmt: skip
+                threshold=threshold,
+                forced_blocks=self.forced_blocks,
+                method=self.method,
+                samples=self.samples,
+                mass=self.mass,
+                where="BlockSparseConfig",
+            )
             object.__setattr__(self, "mass", sel.mass)
 
     @property

@@ -38,11 +38,14 @@ class InductorCpuBackend(Backend):
 
             compiler = cpp_builder.get_cpp_compiler()
         except Exception as exc:  # noqa: BLE001 - any failure means no compiler to use
-            return [f"torch.compile's CPU backend found no C++ compiler ({exc}); "
-                    f"{self.install_hint}"]  # fmt: skip
+            return [
+                f"torch.compile's CPU backend found no C++ compiler ({exc}); {self.install_hint}"
+            ]
         if shutil.which(compiler) is None:
-            return [f"the C++ compiler {compiler!r} that torch.compile would call is not "
-                    f"installed; {self.install_hint}"]  # fmt: skip
+            return [
+                f"the C++ compiler {compiler!r} that torch.compile would call is not "
+                f"installed; {self.install_hint}"
+            ]
         return []
 
 

@@ -40,7 +40,8 @@ import torch.nn.functional as F
 
 from ditops.attention.block_mask import density_stats, num_blocks
 from ditops.attention.methods import DEFAULT_METHOD
-from ditops.bench.harness import Case, relative_error, variants_by_case
+from ditops.bench.accuracy import relative_error
+from ditops.bench.harness import Case, variants_by_case
 from ditops.bench.suite import Suite
 
 HEADS, DIM, BLOCK, STRIDE = 12, 128, 128, 8
@@ -123,7 +124,7 @@ def quality(
     """Mass recall of the estimated mask against the oracle, output errors against dense
     attention, and the error of the path that ran against ``forward_native`` (as a share
     of ``max|v|``: the correctness check of this device's fast path)."""
-    from ditops.bench.harness import drift
+    from ditops.bench.accuracy import drift
     from ditops.ops.block_sparse_attention import block_sparse_attention
     from ditops.ops.estimate_block_mask import estimate_block_mask
 

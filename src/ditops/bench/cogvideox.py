@@ -30,13 +30,12 @@ from typing import Any
 
 import torch
 
-from ditops.bench import hunyuan_video as hv
-from ditops.bench.model_runs import (
-    SparseAttentionProbe,
-    build_seeded,
-    interleaved_forwards,
-    size_config,
-    sparse_variants,
+from ditops.bench.model_runs import build_seeded, size_config, sparse_variants
+from ditops.bench.sparse_video import (
+    SPARSITIES,
+    default_dtype,
+    print_rows,
+    time_variants,
 )
 
 BASE_CONFIG: dict[str, Any] = {
@@ -62,7 +61,6 @@ SIZES: dict[str, dict[str, Any]] = {
         "rounds": 3,
     },
 }
-SPARSITIES = (0.5, 0.75)
 
 
 def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
@@ -94,6 +92,10 @@ def make_inputs(
     }
 
 
+def self_attentions(model: Any) -> list[Any]:
+    return [b.attn1 for b in model.transformer_blocks]
+
+
 def run(
     device: torch.device,
     size: str = "small",
@@ -111,33 +113,23 @@ def run(
     ``rounds`` and ``tokens`` (token frames, height, width of the video after the patch)
     replace the size's; ``overrides`` replace entries of the model config.
     """
-    from ditops.integrations import patch, unpatch
-
     if layout not in LAYOUTS:
         raise ValueError(f"cogvideox bench: layout must be one of {sorted(LAYOUTS)}")
-    spec, config = size_config("cogvideox", SIZES, size, BASE_CONFIG,
-                               {**LAYOUTS[layout], **overrides})  # fmt: skip
+    spec, config = size_config(
+        "cogvideox", SIZES, size, BASE_CONFIG, {**LAYOUTS[layout], **overrides}
+    )
     rounds = spec["rounds"] if rounds is None else rounds
     frames, th, tw = spec["tokens"] if tokens is None else tokens
     p, pt = config["patch_size"], config.get("patch_size_t") or 1
     latent = (frames * pt, th * p, tw * p)
-    dtype = hv.default_dtype(device) if dtype is None else dtype
+    dtype = default_dtype(device) if dtype is None else dtype
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, device, dtype)
     variants = sparse_variants(block_size, SPARSITIES)
 
-    def use(options: dict[str, Any]) -> None:
-        unpatch(model)
-        if options:
-            patch(model, precision="exact", **options)
-
-    def probe(m: Any) -> Any:
-        return SparseAttentionProbe(device, [b.attn1 for b in m.transformer_blocks])
-
-    outputs, times, probes = interleaved_forwards(
-        model, x, device, variants, use, rounds, probe,
-        desc=f"cogvideox {layout}", progress=progress, reset=lambda: unpatch(model),
-    )  # fmt: skip
+    times, attn, summary = time_variants(
+        model, x, device, variants, rounds, self_attentions, f"cogvideox {layout}", progress
+    )
     return {
         "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
         "size": size,
@@ -148,8 +140,8 @@ def run(
         "block_size": block_size,
         "rounds": rounds,
         "seconds": times,
-        "attention_seconds": {name: [p.seconds for p in ps] for name, ps in probes.items()},
-        "summary": hv.summarise(variants, outputs, times, probes),
+        "attention_seconds": attn,
+        "summary": summary,
     }
 
 
@@ -163,7 +155,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         f"blocks of {result['block_size']}, {result['rounds']} interleaved rounds",
         file=out,
     )
-    hv.print_rows(result["summary"], out)
+    print_rows(result["summary"], out)
 
 
 def cli(

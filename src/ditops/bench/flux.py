@@ -143,9 +143,17 @@ def run(
             patch(model, precision=precision)
 
     outputs, times, timers = interleaved_forwards(
-        model, x, device, VARIANTS, use, rounds, lambda m: attention_timer(m, device),
-        desc="flux", progress=progress, reset=lambda: unpatch(model),
-    )  # fmt: skip
+        model,
+        x,
+        device,
+        VARIANTS,
+        use,
+        rounds,
+        lambda m: attention_timer(m, device),
+        desc="flux",
+        progress=progress,
+        reset=lambda: unpatch(model),
+    )
     attn_times = {name: [t.seconds for t in ts] for name, ts in timers.items()}
     ref = outputs["unpatched"].double()
     peak = float(ref.abs().max()) or 1.0

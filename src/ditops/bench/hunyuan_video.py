@@ -27,19 +27,18 @@ bf16, or fp32 on a CPU whose bf16 matmuls are a slow fallback.
 
 from __future__ import annotations
 
-import statistics
 import sys
 from typing import Any
 
 import torch
 
-from ditops.bench.model_runs import (
-    SparseAttentionProbe,
-    build_seeded,
-    interleaved_forwards,
-    size_config,
-    sparse_variants,
-    timing_summary,
+from ditops.bench.model_runs import build_seeded, size_config, sparse_variants
+from ditops.bench.sparse_video import (
+    PERMUTED_SPARSITY,
+    SPARSITIES,
+    default_dtype,
+    print_rows,
+    time_variants,
 )
 
 BASE_CONFIG: dict[str, Any] = {
@@ -55,33 +54,33 @@ BASE_CONFIG: dict[str, Any] = {
 }
 SIZES: dict[str, dict[str, Any]] = {
     "small": {
-        "config": {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 4,
-                   "text_embed_dim": 256},
+        "config": {
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "num_attention_heads": 4,
+            "text_embed_dim": 256,
+        },
         "latent": (13, 32, 48),  # frames, height, width: 13 x 16 x 24 tokens
         "text_tokens": 64,
         "rounds": 3,
     },
     "full": {
-        "config": {"num_layers": 1, "num_single_layers": 1, "num_attention_heads": 24,
-                   "text_embed_dim": 4096},
+        "config": {
+            "num_layers": 1,
+            "num_single_layers": 1,
+            "num_attention_heads": 24,
+            "text_embed_dim": 4096,
+        },
         "latent": (33, 60, 80),
         "text_tokens": 256,
         "rounds": 3,
     },
-}  # fmt: skip
-SPARSITIES = (0.5, 0.75)
-PERMUTED_SPARSITY = 0.75
+}
 
 
 def attentions(model: Any) -> list[Any]:
     """Every block's ``attn``, the double-stream blocks' then the single-stream ones'."""
     return [b.attn for b in [*model.transformer_blocks, *model.single_transformer_blocks]]
-
-
-def default_dtype(device: torch.device) -> torch.dtype:
-    from ditops.platform import cpu_half_matmuls_slow
-
-    return torch.float32 if device.type == "cpu" and cpu_half_matmuls_slow() else torch.bfloat16
 
 
 def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
@@ -112,43 +111,6 @@ def make_inputs(
     }
 
 
-def summarise(
-    variants: list[tuple[str, dict[str, Any]]],
-    outputs: dict[str, torch.Tensor],
-    times: dict[str, list[float]],
-    probes: dict[str, list[Any]],
-) -> list[dict[str, Any]]:
-    """Per variant of :func:`~ditops.bench.model_runs.interleaved_forwards`' run (its
-    :class:`~ditops.bench.model_runs.SparseAttentionProbe` probes): timings, ratios to
-    ``unpatched``, densities asked and run, drift."""
-    from ditops.bench.harness import drift
-
-    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
-    densities = {name: [d for p in ps for d in p.densities] for name, ps in probes.items()}
-    peak = float(outputs["unpatched"].double().abs().max()) or 1.0
-    summary = []
-    for name, options in variants:
-        max_abs, cosine, psnr = drift(outputs[name], outputs["unpatched"])
-        cfg = options.get("attention")
-        summary.append(
-            {
-                **timing_summary(name, times, attn),
-                "attention_speedup": statistics.median(
-                    u / t for u, t in zip(attn["unpatched"], attn[name])
-                ),
-                "requested_density": None if cfg is None else 1 - cfg.sparsity,
-                "realised_density": (
-                    statistics.fmean(densities[name]) if densities[name] else None
-                ),
-                "max_rel": max_abs / peak,
-                "cosine": cosine,
-                "psnr_db": psnr,
-                "bitwise_equal": bool(torch.equal(outputs[name], outputs["unpatched"])),
-            }
-        )
-    return summary
-
-
 def run(
     device: torch.device,
     size: str = "small",
@@ -167,8 +129,6 @@ def run(
     ``block_size`` (of the sparse attention) replace the size's; ``overrides`` replace
     entries of the model config.
     """
-    from ditops.integrations import patch, unpatch
-
     spec, config = size_config("hunyuan_video", SIZES, size, BASE_CONFIG, overrides)
     rounds = spec["rounds"] if rounds is None else rounds
     latent = spec["latent"] if latent is None else latent
@@ -177,26 +137,9 @@ def run(
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, n_text, device, dtype)
     variants = sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY)
-
-    def use(options: dict[str, Any]) -> None:
-        unpatch(model)
-        if options:
-            patch(model, precision="exact", **options)
-
-    outputs, times, probes = interleaved_forwards(
-        model,
-        x,
-        device,
-        variants,
-        use,
-        rounds,
-        lambda m: SparseAttentionProbe(device, attentions(m)),
-        desc="hunyuan_video",
-        progress=progress,
-        reset=lambda: unpatch(model),
+    times, attn, summary = time_variants(
+        model, x, device, variants, rounds, attentions, "hunyuan_video", progress
     )
-    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
-    summary = summarise(variants, outputs, times, probes)
     frames, h, w = latent
     p = config["patch_size"]
     return {
@@ -214,10 +157,6 @@ def run(
     }
 
 
-def _f(v: float | None, spec: str) -> str:
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
-
-
 def print_report(result: dict[str, Any], out: Any = None) -> None:
     out = sys.stdout if out is None else out
     cfg = result["config"]
@@ -231,30 +170,6 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         file=out,
     )
     print_rows(result["summary"], out)
-
-
-def print_rows(summary: list[dict[str, Any]], out: Any) -> None:
-    """The table of :func:`summarise`'s rows, and what its columns are."""
-    print(
-        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
-        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
-        file=out,
-    )
-    for s in summary:
-        print(
-            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
-            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
-            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
-            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
-            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
-            file=out,
-        )
-    print(
-        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
-        "and of the attention modules to unpatched; asked/run: block density of the video "
-        "queries' maps, forced blocks included; drift against the unpatched output)",
-        file=out,
-    )
 
 
 def cli(

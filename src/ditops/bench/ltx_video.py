@@ -22,13 +22,13 @@ from typing import Any
 
 import torch
 
-from ditops.bench import hunyuan_video as hv
-from ditops.bench.model_runs import (
-    SparseAttentionProbe,
-    build_seeded,
-    interleaved_forwards,
-    size_config,
-    sparse_variants,
+from ditops.bench.model_runs import build_seeded, size_config, sparse_variants
+from ditops.bench.sparse_video import (
+    PERMUTED_SPARSITY,
+    SPARSITIES,
+    default_dtype,
+    print_rows,
+    time_variants,
 )
 
 BASE_CONFIG: dict[str, Any] = {
@@ -40,20 +40,28 @@ BASE_CONFIG: dict[str, Any] = {
 }
 SIZES: dict[str, dict[str, Any]] = {
     "small": {
-        "config": {"num_layers": 2, "num_attention_heads": 8, "cross_attention_dim": 512,
-                   "caption_channels": 256},
+        "config": {
+            "num_layers": 2,
+            "num_attention_heads": 8,
+            "cross_attention_dim": 512,
+            "caption_channels": 256,
+        },
         "latent": (8, 16, 24),  # frames, height, width (patch 1: tokens)
         "text_tokens": 64,
         "rounds": 3,
     },
     "full": {
-        "config": {"num_layers": 2, "num_attention_heads": 32, "cross_attention_dim": 2048,
-                   "caption_channels": 4096},
+        "config": {
+            "num_layers": 2,
+            "num_attention_heads": 32,
+            "cross_attention_dim": 2048,
+            "caption_channels": 4096,
+        },
         "latent": (16, 16, 24),
         "text_tokens": 128,
         "rounds": 3,
     },
-}  # fmt: skip
+}
 
 
 def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
@@ -108,28 +116,18 @@ def run(
 ) -> dict[str, Any]:
     """Time every variant, interleaved; returns the config, per-round times and a summary
     (arguments as :func:`ditops.bench.hunyuan_video.run`)."""
-    from ditops.integrations import patch, unpatch
-
     spec, config = size_config("ltx_video", SIZES, size, BASE_CONFIG, overrides)
     rounds = spec["rounds"] if rounds is None else rounds
     latent = spec["latent"] if latent is None else latent
     n_text = spec["text_tokens"] if text_tokens is None else text_tokens
-    dtype = hv.default_dtype(device) if dtype is None else dtype
+    dtype = default_dtype(device) if dtype is None else dtype
     model = build_model(device, dtype, **config)
     x = make_inputs(config, latent, n_text, device, dtype)
-    variants = sparse_variants(block_size, hv.SPARSITIES, hv.PERMUTED_SPARSITY)
+    variants = sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY)
 
-    def use(options: dict[str, Any]) -> None:
-        unpatch(model)
-        if options:
-            patch(model, precision="exact", **options)
-
-    outputs, times, probes = interleaved_forwards(
-        model, x, device, variants, use, rounds,
-        lambda m: SparseAttentionProbe(device, self_attentions(m)),
-        desc="ltx_video", progress=progress, reset=lambda: unpatch(model),
-    )  # fmt: skip
-    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
+    times, attn, summary = time_variants(
+        model, x, device, variants, rounds, self_attentions, "ltx_video", progress
+    )
     return {
         "config": dict(config),
         "size": size,
@@ -141,7 +139,7 @@ def run(
         "rounds": rounds,
         "seconds": times,
         "attention_seconds": attn,
-        "summary": hv.summarise(variants, outputs, times, probes),
+        "summary": summary,
     }
 
 
@@ -156,7 +154,7 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         f"{result['rounds']} interleaved rounds; attn: the self-attentions (attn1)",
         file=out,
     )
-    hv.print_rows(result["summary"], out)
+    print_rows(result["summary"], out)
 
 
 def cli(

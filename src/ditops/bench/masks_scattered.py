@@ -34,13 +34,22 @@ def _permuted_reference(
     """The reference in ``perm``'s order from the all-heads-clustered one (``full``):
     each head's exact masses from ``full`` where clustered, else from ``ref``."""
     pick = clustered.cpu()[0][None, :, None, None]
-    p = perm.__class__(*(t.cpu() if isinstance(t, torch.Tensor) else t for t in (
-        perm.q_order, perm.k_order, perm.q_centroids, perm.k_centroids, perm.fixed)))  # fmt: skip
+    p = perm.__class__(
+        *(
+            t.cpu() if isinstance(t, torch.Tensor) else t
+            for t in (perm.q_order, perm.k_order, perm.q_centroids, perm.k_centroids, perm.fixed)
+        )
+    )
     return MaskReference(
-        p.permute_q(ref.q), p.permute_kv(ref.k), p.permute_kv(ref.v),
-        torch.where(pick, full.mass, ref.mass), ref.forced, p.permute_q(ref.dense),
-        ref.first_frame, ref.block_size,
-    )  # fmt: skip
+        p.permute_q(ref.q),
+        p.permute_kv(ref.k),
+        p.permute_kv(ref.v),
+        torch.where(pick, full.mass, ref.mass),
+        ref.forced,
+        p.permute_q(ref.dense),
+        ref.first_frame,
+        ref.block_size,
+    )
 
 
 def _fixed_density_for(
@@ -86,14 +95,14 @@ def scattered_cases(
     from ditops.ops.block_sparse_attention import block_sparse_attention
     from ditops.ops.estimate_block_mask import estimate_block_mask
 
-    q, k, v = (t.to(device) for t in scattered_attention(*shape, heads=heads, dim=dim,
-                                                         dtype=dtype))  # fmt: skip
+    q, k, v = (t.to(device) for t in scattered_attention(*shape, heads=heads, dim=dim, dtype=dtype))
     seq = int(q.shape[2])
     ref = MaskReference.of(q, k, v, shape, block_size)
     ff = ref.first_frame
     cold = cluster_permutation(q, k, fixed=ff * block_size, block_size=block_size)
-    full = MaskReference.of(cold.permute_q(q), cold.permute_kv(k), cold.permute_kv(v), shape,
-                            block_size)  # fmt: skip
+    full = MaskReference.of(
+        cold.permute_q(q), cold.permute_kv(k), cold.permute_kv(v), shape, block_size
+    )
     base = {"dense_blocks": ff, "block_size": block_size, "samples": samples}
 
     def sdpa() -> torch.Tensor:
@@ -110,8 +119,9 @@ def scattered_cases(
             with torch.inference_mode():
                 if perm is None:
                     return estimate_block_mask(q, k, **opts)
-                p = cluster_permutation(q, k, fixed=ff * block_size, block_size=block_size,
-                                        previous=perm)  # fmt: skip
+                p = cluster_permutation(
+                    q, k, fixed=ff * block_size, block_size=block_size, previous=perm
+                )
                 return estimate_block_mask(p.permute_q(q), p.permute_kv(k), **opts)
 
         def attn() -> torch.Tensor:
@@ -119,17 +129,27 @@ def scattered_cases(
                 if perm is None:
                     return block_sparse_attention(q, k, v, mask, counts, block_size=block_size)
                 out = block_sparse_attention(
-                    perm.permute_q(q), perm.permute_kv(k), perm.permute_kv(v), mask, counts,
+                    perm.permute_q(q),
+                    perm.permute_kv(k),
+                    perm.permute_kv(v),
+                    mask,
+                    counts,
                     block_size=block_size,
-                )  # fmt: skip
+                )
                 return perm.unpermute(out)
 
         variants[f"est {name}"], variants[f"attn {name}"] = est, attn
         return mask
 
-    common = {"S": seq, "shape": list(shape), "first_frame_blocks": ff, "source": "scattered",
-              "block_size": block_size, "dtype": str(dtype).replace("torch.", ""),
-              "samples": samples}  # fmt: skip
+    common = {
+        "S": seq,
+        "shape": list(shape),
+        "first_frame_blocks": ff,
+        "source": "scattered",
+        "block_size": block_size,
+        "dtype": str(dtype).replace("torch.", ""),
+        "samples": samples,
+    }
     for keep in keeps:
         variants: dict[str, Any] = {"native": sdpa}
         opts = {**base, "keep_ratio": keep, "method": method}
@@ -146,8 +166,12 @@ def scattered_cases(
         permuted["clustered_heads"] = int(perm.clustered.sum())
         quality = {method: plain, f"perm {method}": permuted}
         name = f"scattered S={seq} keep={keep}"
-        yield Case(suite="masks", name=name, variants=variants,
-                   params={**common, "keep": keep, "quality": quality})  # fmt: skip
+        yield Case(
+            suite="masks",
+            name=name,
+            variants=variants,
+            params={**common, "keep": keep, "quality": quality},
+        )
     # The mass target, in both orders, per row and per head; against fixed densities.
     variants = {"native": sdpa}
     quality = {}
@@ -164,20 +188,31 @@ def scattered_cases(
             def at(keep: float, p=p, m=m) -> torch.Tensor:
                 qq, kk = (q, k) if p is None else (p.permute_q(q), p.permute_kv(k))
                 with torch.inference_mode():
-                    return estimate_block_mask(qq, kk, **{**base, "keep_ratio": keep,
-                                                          "method": m})[0]  # fmt: skip
+                    return estimate_block_mask(qq, kk, **{**base, "keep_ratio": keep, "method": m})[
+                        0
+                    ]
 
             fixed, fixed_cov = _fixed_density_for(float(cov.mean()), at, r.mass)
             per_head = mask[..., : r.mass.shape[-1]].float().mean((0, 2, 3)).tolist()
-            qd.update({"coverage_per_head": cov.tolist(), "coverage_min": float(cov.min()),
-                       "density_per_head": per_head, "fixed_density_same_mass": fixed,
-                       "fixed_density_coverage": fixed_cov,
-                       "unpermuted_row_oracle_err": qd["row_oracle_err"] if p is None else None,
-                       "unpermuted_head_oracle_err": None})  # fmt: skip
+            qd.update(
+                {
+                    "coverage_per_head": cov.tolist(),
+                    "coverage_min": float(cov.min()),
+                    "density_per_head": per_head,
+                    "fixed_density_same_mass": fixed,
+                    "fixed_density_coverage": fixed_cov,
+                    "unpermuted_row_oracle_err": qd["row_oracle_err"] if p is None else None,
+                    "unpermuted_head_oracle_err": None,
+                }
+            )
             quality[f"{order}mass {m}"] = qd
     name = f"scattered S={seq} mass={mass}"
-    yield Case(suite="masks", name=name, variants=variants,
-               params={**common, "keep": None, "mass": mass, "quality": quality})  # fmt: skip
+    yield Case(
+        suite="masks",
+        name=name,
+        variants=variants,
+        params={**common, "keep": None, "mass": mass, "quality": quality},
+    )
 
 
 def plot_scattered(summ: list[dict[str, Any]], path: str) -> None:
@@ -195,14 +230,29 @@ def plot_scattered(summ: list[dict[str, Any]], path: str) -> None:
         xs = [d for d, _ in pts]
         line = ax.plot(xs, [s["rel_err"] for _, s in pts], marker="o", label=method)[0]
         order = "permuted" if method.startswith("perm") else "video"
-        ax.plot(xs, [s["row_oracle_err"] for _, s in pts], ls="--", color=line.get_color(),
-                label=f"oracle, {order} order")  # fmt: skip
+        ax.plot(
+            xs,
+            [s["row_oracle_err"] for _, s in pts],
+            ls="--",
+            color=line.get_color(),
+            label=f"oracle, {order} order",
+        )
     for s in summ:
         if s["keep"] is None:
-            ax.plot(s["density"], s["rel_err"], marker="*", ms=10, ls="",
-                    label=f"{s['method']} ({s['mass_kept']:.3f} of the mass)")  # fmt: skip
-    ax.set(xlabel="block density", ylabel="output rel. L2 error against dense",
-           title="scattered semantic attention", yscale="log")  # fmt: skip
+            ax.plot(
+                s["density"],
+                s["rel_err"],
+                marker="*",
+                ms=10,
+                ls="",
+                label=f"{s['method']} ({s['mass_kept']:.3f} of the mass)",
+            )
+    ax.set(
+        xlabel="block density",
+        ylabel="output rel. L2 error against dense",
+        title="scattered semantic attention",
+        yscale="log",
+    )
     ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

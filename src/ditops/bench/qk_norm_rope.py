@@ -190,9 +190,17 @@ def interleaved(case: Case, rounds: int, device: torch.device) -> list[Result]:
         params = {**case.params, "ratio_to": per_round}
         ts = times[name]
         results.append(
-            Result(case.suite, case.name, name, statistics.median(ts), min(ts), len(ts), params,
-                   case.bytes_moved)
-        )  # fmt: skip
+            Result(
+                case.suite,
+                case.name,
+                name,
+                statistics.median(ts),
+                min(ts),
+                len(ts),
+                params,
+                case.bytes_moved,
+            )
+        )
     return results
 
 
@@ -232,10 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     print_summary(summ)
     if args.json:
         write_run_json(
-            args.json, device, "python -m ditops.bench.qk_norm_rope", argv,
+            args.json,
+            device,
+            "python -m ditops.bench.qk_norm_rope",
+            argv,
             timing="interleaved rounds; ratios are medians of per-round ratios",
-            rows=rows, summary=summ,
-        )  # fmt: skip
+            rows=rows,
+            summary=summ,
+        )
         print(f"\nwrote {args.json}", file=sys.stderr)
     return 0
 

@@ -68,10 +68,12 @@ def _metadata(step: int, latent: list[int]) -> Any:
     from ditops.integrations.sglang.attention import DitopsBlockSparseMetadataBuilder
 
     return DitopsBlockSparseMetadataBuilder().build(
-        current_timestep=step, skip_first_steps=SPARSE["skip_first_steps"],
-        sparsity=SPARSE["sparsity"], raw_latent_shape=latent,
+        current_timestep=step,
+        skip_first_steps=SPARSE["skip_first_steps"],
+        sparsity=SPARSE["sparsity"],
+        raw_latent_shape=latent,
         patch_size=DEFAULT_CONFIG["patch_size"],
-    )  # fmt: skip
+    )
 
 
 def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> dict[str, Any]:

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 
 from ditops.attention.block_mask import num_blocks
 from ditops.attention.selection import forced_block_mask
-from ditops.bench.harness import relative_error
+from ditops.bench.accuracy import relative_error
 
 HEAD_KINDS = ("spatial", "temporal", "mixed", "diffuse")
 #: Dims of q/k carrying the global tokens' shared direction.
@@ -399,6 +399,12 @@ class MaskReference:
     def quality(self, mask: torch.Tensor) -> MaskQuality:
         """``mask`` (``[B, H, Qb, KVb]``, any device) against both oracles and dense."""
         return mask_quality(
-            self.mass, mask.cpu(), self.q, self.k, self.v, self.dense,
-            forced=self.forced, block_size=self.block_size,
-        )  # fmt: skip
+            self.mass,
+            mask.cpu(),
+            self.q,
+            self.k,
+            self.v,
+            self.dense,
+            forced=self.forced,
+            block_size=self.block_size,
+        )

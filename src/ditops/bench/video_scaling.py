@@ -50,6 +50,7 @@ from ditops.bench import hunyuan_video as hv
 from ditops.bench import ltx_video as ltx
 from ditops.bench import wan, wan_model
 from ditops.bench.model_runs import SparseAttentionProbe, timed_forward
+from ditops.bench.sparse_video import default_dtype
 
 FRAME = (32, 48)  # latent height, width: 16 x 24 tokens per frame after patch 2
 #: HunyuanVideo's video tokens at 129 frames (33 latent frames), 480p and 720p.
@@ -93,13 +94,17 @@ def _wan_patch(config: dict[str, Any]) -> tuple[int, int]:
 FAMILIES: dict[str, Family] = {
     "hunyuan_video": Family(
         model="HunyuanVideo geometry, 1 double-stream block",
-        config=lambda o: {**hv.BASE_CONFIG, **hv.SIZES["small"]["config"],
-                          "num_single_layers": 0, **o},
+        config=lambda o: {
+            **hv.BASE_CONFIG,
+            **hv.SIZES["small"]["config"],
+            "num_single_layers": 0,
+            **o,
+        },
         build=lambda device, dtype, config: hv.build_model(device, dtype, **config),
         inputs=hv.make_inputs,
         attention=hv.attentions,
         patch=lambda config: (config["patch_size"], config["patch_size"]),
-        default_dtype=hv.default_dtype,
+        default_dtype=default_dtype,
         targets=TARGETS,
         text_tokens=64,
     ),
@@ -118,13 +123,12 @@ FAMILIES: dict[str, Family] = {
     "ltx_video": Family(
         model="LTX-Video geometry (32 heads of 64), 1 block; attn: self-attention (attn1) "
         "only, cross-attention in the rest",
-        config=lambda o: {**ltx.BASE_CONFIG, **ltx.SIZES["full"]["config"], "num_layers": 1,
-                          **o},
+        config=lambda o: {**ltx.BASE_CONFIG, **ltx.SIZES["full"]["config"], "num_layers": 1, **o},
         build=lambda device, dtype, config: ltx.build_model(device, dtype, **config),
         inputs=ltx.make_inputs,
         attention=ltx.self_attentions,
         patch=lambda config: (config["patch_size"], config["patch_size"]),
-        default_dtype=hv.default_dtype,
+        default_dtype=default_dtype,
         targets=LTX_TARGETS,
         text_tokens=128,
         frame=(16, 24),  # LTX-Video's 768 x 512 frame: 384 tokens
@@ -134,14 +138,15 @@ FAMILIES: dict[str, Family] = {
         config=lambda o: {**cv.BASE_CONFIG, **cv.SIZES["small"]["config"], **o},
         build=lambda device, dtype, config: cv.build_model(device, dtype, **config),
         inputs=lambda config, latent, text, device, dtype: cv.make_inputs(
-            {**config, "max_text_seq_length": text}, latent, device, dtype),
+            {**config, "max_text_seq_length": text}, latent, device, dtype
+        ),
         attention=lambda model: [b.attn1 for b in model.transformer_blocks],
         patch=lambda config: (config["patch_size"], config["patch_size"]),
-        default_dtype=hv.default_dtype,
+        default_dtype=default_dtype,
         targets=COGVIDEOX_TARGETS,
         text_tokens=226,
     ),
-}  # fmt: skip
+}
 
 
 def _fit(ns: list[int], ts: list[float], power: int) -> float:
@@ -209,12 +214,19 @@ def run(
                         attn[name].append(probe.seconds)
             f_u, a_u = statistics.median(fwd["unpatched"]), statistics.median(attn["unpatched"])
             f_s, a_s = statistics.median(fwd["sparse"]), statistics.median(attn["sparse"])
-            rows.append({
-                "video_tokens": frames * per_frame, "frames": frames,
-                "forward_s": f_u, "attention_s": a_u, "attention_share": a_u / f_u,
-                "sparse_forward_s": f_s, "sparse_attention_s": a_s,
-                "attention_speedup": a_u / a_s, "forward_speedup": f_u / f_s,
-            })  # fmt: skip
+            rows.append(
+                {
+                    "video_tokens": frames * per_frame,
+                    "frames": frames,
+                    "forward_s": f_u,
+                    "attention_s": a_u,
+                    "attention_share": a_u / f_u,
+                    "sparse_forward_s": f_s,
+                    "sparse_attention_s": a_s,
+                    "attention_speedup": a_u / a_s,
+                    "forward_speedup": f_u / f_s,
+                }
+            )
     finally:
         bar.close()
         unpatch(model)
@@ -243,11 +255,15 @@ def project(
     out = []
     for label, n in (TARGETS if targets is None else targets).items():
         share = a * n * n / (a * n * n + b * n)
-        out.append({
-            "target": label, "video_tokens": n, "attention_share": share,
-            "attention_speedup": speedup,
-            "forward_speedup": 1 / ((1 - share) + share / speedup),
-        })  # fmt: skip
+        out.append(
+            {
+                "target": label,
+                "video_tokens": n,
+                "attention_share": share,
+                "attention_speedup": speedup,
+                "forward_speedup": 1 / ((1 - share) + share / speedup),
+            }
+        )
     return out
 
 
@@ -261,8 +277,11 @@ def print_report(result: dict[str, Any], out: Any = None) -> None:
         f"{result['rounds']} round(s)) -- measured",
         file=out,
     )
-    print(f"{'video tokens':>12} {'s/forward':>9} {'attn s':>7} {'attn share':>10} "
-          f"{'sparse attn s':>13} {'x attn':>6} {'x forward':>9}", file=out)  # fmt: skip
+    print(
+        f"{'video tokens':>12} {'s/forward':>9} {'attn s':>7} {'attn share':>10} "
+        f"{'sparse attn s':>13} {'x attn':>6} {'x forward':>9}",
+        file=out,
+    )
     for r in result["rows"]:
         print(
             f"{r['video_tokens']:>12} {r['forward_s']:>9.2f} {r['attention_s']:>7.2f} "
@@ -299,8 +318,15 @@ def main(argv: list[str] | None = None) -> int:
 
     device = torch.device(args.device)
     dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-    result = run(device, tuple(args.tokens), family=args.family, sparsity=args.sparsity,
-                 rounds=args.rounds, dtype=dtype, progress=not args.no_progress)  # fmt: skip
+    result = run(
+        device,
+        tuple(args.tokens),
+        family=args.family,
+        sparsity=args.sparsity,
+        rounds=args.rounds,
+        dtype=dtype,
+        progress=not args.no_progress,
+    )
     print_report(result)
     if args.json:
         write_json(args.json, {"machine": machine_info(device), **result})

@@ -81,7 +81,7 @@ class StepResult:
 
 
 def _drift(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float, float]:
-    from ditops.bench.harness import drift
+    from ditops.bench.accuracy import drift
 
     return drift(out, ref)
 
@@ -90,9 +90,11 @@ def _sparse(sparsity: float, estimate_every: int = 1, permute: bool = False) -> 
     from ditops.attention.schedule import BlockSparseConfig
 
     return BlockSparseConfig(
-        sparsity=sparsity, skip_first_steps=SKIP_FIRST_STEPS, estimate_every=estimate_every,
+        sparsity=sparsity,
+        skip_first_steps=SKIP_FIRST_STEPS,
+        estimate_every=estimate_every,
         permute=permute,
-    )  # fmt: skip
+    )
 
 
 def _variants() -> list[tuple[str, dict[str, Any] | None]]:

@@ -109,8 +109,10 @@ class AttentionProbe:
             self.densities.append(float(args[3].float().mean()))
 
         # The ops are module instances: wrap their forward for this block only.
-        for op, add in ((ebm.estimate_block_mask.op, add_estimate),
-                        (bsa.block_sparse_attention.op, add_sparse)):  # fmt: skip
+        for op, add in (
+            (ebm.estimate_block_mask.op, add_estimate),
+            (bsa.block_sparse_attention.op, add_sparse),
+        ):
             op.forward = self._timed(type(op).forward.__get__(op), add)
         self._sdpa = torch.nn.functional.scaled_dot_product_attention
         torch.nn.functional.scaled_dot_product_attention = self._timed(self._sdpa, add_dense)

@@ -196,8 +196,9 @@ def print_report(result: dict[str, Any], out: Any = sys.stdout) -> None:
                 file=out,
             )
             break
-    print("\nwhere the time goes (mean seconds per forward; sparse variants: sparse steps):",
-          file=out)  # fmt: skip
+    print(
+        "\nwhere the time goes (mean seconds per forward; sparse variants: sparse steps):", file=out
+    )
     for s in result["summary"]:
         sections = s["sparse_step_sections"] or s["mean_sections"]
         total = s["sparse_step_seconds"] or s["mean_seconds"]

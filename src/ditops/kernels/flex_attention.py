@@ -75,20 +75,34 @@ def flex_block_sparse_attention(
             kernel_options=options,
         )
     key = (
-        q.device.type, q.dtype, tuple(q.shape), tuple(k.shape), tuple(v.shape),
-        block_mask.BLOCK_SIZE, needs_mask_mod, scale,
-    )  # fmt: skip
+        q.device.type,
+        q.dtype,
+        tuple(q.shape),
+        tuple(k.shape),
+        tuple(v.shape),
+        block_mask.BLOCK_SIZE,
+        needs_mask_mod,
+        scale,
+    )
     if key not in _seen:
         _seen.add(key)
         logger.info(
             "ditops: compiling FlexAttention for q %s, k %s, %s on %s (once per shape)",
-            list(q.shape), list(k.shape), str(q.dtype).replace("torch.", ""), q.device.type,
-        )  # fmt: skip
+            list(q.shape),
+            list(k.shape),
+            str(q.dtype).replace("torch.", ""),
+            q.device.type,
+        )
     # One call at a time: ``config.patch`` sets a process-wide value and restores it on
     # exit, so a second thread inside it could lose the raised limit mid-call and run
     # FlexAttention eagerly (slow; the block mask's mask_mod keeps that correct).
     with _calls, torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
         return _compiled_flex()(
-            q, k, v, block_mask=block_mask, scale=scale, enable_gqa=enable_gqa,
+            q,
+            k,
+            v,
+            block_mask=block_mask,
+            scale=scale,
+            enable_gqa=enable_gqa,
             kernel_options=options,
-        )  # fmt: skip
+        )

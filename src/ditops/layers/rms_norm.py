@@ -76,8 +76,13 @@ class RMSNorm(OpLayer, nn.Module):
             raise ValueError(
                 f"RMSNorm.from_module: normalises the last dim only; expected one dim, got {shape}"
             )
-        new = cls(shape[0], module.eps, elementwise_affine=False, convention=convention,
-                  precision=precision)  # fmt: skip
+        new = cls(
+            shape[0],
+            module.eps,
+            elementwise_affine=False,
+            convention=convention,
+            precision=precision,
+        )
         new.elementwise_affine = module.weight is not None
         new.weight = module.weight
         new.train(module.training)

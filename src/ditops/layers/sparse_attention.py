@@ -220,9 +220,13 @@ class BlockSparseAttention(nn.Module):
         chooses between the clustered and the original order (:func:`choose_heads`)."""
         cfg = self.config
         perm = cluster_permutation(
-            qb, kb, fixed=dense_blocks * cfg.block_size, clusters=cfg.clusters or None,
-            block_size=cfg.block_size, previous=previous,
-        )  # fmt: skip
+            qb,
+            kb,
+            fixed=dense_blocks * cfg.block_size,
+            clusters=cfg.clusters or None,
+            block_size=cfg.block_size,
+            previous=previous,
+        )
         if previous is None:
             keep = None if cfg.mass is not None else cfg.keep_ratio
             perm = choose_heads(qb, kb, perm, block_size=cfg.block_size, keep=keep, scale=scale)
@@ -254,9 +258,15 @@ class BlockSparseAttention(nn.Module):
         else:
             kept_or_new = _eager_kept_or_new_mask()
             entry, permuted = kept_or_new(
-                self, qb, kb, layout="BNSD", scale=scale, step=step, branch=branch,
+                self,
+                qb,
+                kb,
+                layout="BNSD",
+                scale=scale,
+                step=step,
+                branch=branch,
                 dense_blocks=dense_blocks,
-            )  # fmt: skip
+            )
             mask, counts, perm = entry.mask, entry.counts, entry.perm
             assert perm is not None
             qp, kp = permuted or (perm.permute_q(qb), perm.permute_kv(kb))
@@ -264,9 +274,16 @@ class BlockSparseAttention(nn.Module):
         if not traced():
             self._last_permutation = perm
         out = block_sparse_attention(
-            qp, kp, perm.permute_kv(vb), mask, counts, layout="BNSD", scale=scale,
-            causal=self.config.causal, block_size=self.config.block_size,
-        )  # fmt: skip
+            qp,
+            kp,
+            perm.permute_kv(vb),
+            mask,
+            counts,
+            layout="BNSD",
+            scale=scale,
+            causal=self.config.causal,
+            block_size=self.config.block_size,
+        )
         return from_bnsd(perm.unpermute(out), layout)
 
     def _estimate(

@@ -186,9 +186,15 @@ class BlockSparseAttentionOp(CustomOp):
     def forward_native(self, c: AttentionCall) -> torch.Tensor:
         # counts equal mask's row sums (checked in prepare): the mask alone says it all.
         return block_sparse_attention_reference(
-            c.q, c.k, c.v, c.mask, layout=c.layout, scale=c.scale, causal=c.causal,
+            c.q,
+            c.k,
+            c.v,
+            c.mask,
+            layout=c.layout,
+            scale=c.scale,
+            causal=c.causal,
             block_size=c.block_size,
-        )  # fmt: skip
+        )
 
     def not_supported(self, c: AttentionCall) -> list[str]:
         if c.qb.shape[2] == 0 or c.kb.shape[2] == 0:
@@ -242,8 +248,13 @@ class BlockSparseAttentionOp(CustomOp):
 
     # On CPU: bf16, long sequences, measured or ruled faster (cpu_flex_reasons). Not fp16:
     # without AMX-FP16 (newer Xeons only) flex ran 0.82x dense there, gathered 2.49x.
-    @path("cpu", backend=INDUCTOR_CPU, dtypes=(torch.bfloat16,), inference_only=True,
-          reasons=cpu_flex_reasons)  # fmt: skip
+    @path(
+        "cpu",
+        backend=INDUCTOR_CPU,
+        dtypes=(torch.bfloat16,),
+        inference_only=True,
+        reasons=cpu_flex_reasons,
+    )
     def forward_cpu_flex(self, c: AttentionCall) -> torch.Tensor:
         return self._flex(c)
 
@@ -255,9 +266,15 @@ class BlockSparseAttentionOp(CustomOp):
         from ditops.kernels.cpu.block_sparse_attention import gathered_block_sparse_attention
 
         return gathered_block_sparse_attention(
-            c.qb, c.kb, c.vb, c.mask, softmax_scale(c.qb, c.scale), c.causal, c.block_size,
+            c.qb,
+            c.kb,
+            c.vb,
+            c.mask,
+            softmax_scale(c.qb, c.scale),
+            c.causal,
+            c.block_size,
             c.layout == "BSND",
-        )  # fmt: skip
+        )
 
     # FlexAttention on a GPU generates Triton kernels; ROCm builds run them too
     # (untested here: no AMD GPU).

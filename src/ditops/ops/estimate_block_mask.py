@@ -172,9 +172,14 @@ class EstimateBlockMask(CustomOp):
 
     def forward_native(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
         return estimate_block_mask_reference(
-            c.q, c.k, c.sel, layout=c.layout, block_size=c.block_size, stride=c.stride,
+            c.q,
+            c.k,
+            c.sel,
+            layout=c.layout,
+            block_size=c.block_size,
+            stride=c.stride,
             scale=c.scale,
-        )  # fmt: skip
+        )
 
     @path(dtypes=HALF, inference_only=True, reasons=cpu_estimate_reasons)
     def forward_cpu(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
@@ -192,29 +197,46 @@ class EstimateBlockMask(CustomOp):
         sel = c.sel
         if sel.scoring == "sampled":  # converts the sampled rows and each head's keys only
             scores = sampled_block_scores_fp32(
-                c.qb, c.kb, block_size=c.block_size, samples=sel.samples, causal=sel.causal,
+                c.qb,
+                c.kb,
+                block_size=c.block_size,
+                samples=sel.samples,
+                causal=sel.causal,
                 scale=c.score_scale() * c.stride,
-            )  # fmt: skip
+            )
         else:
             scores = native_block_scores(
-                c.qb.float(), c.kb.float(), block_size=c.block_size, stride=c.stride,
-                score_scale=c.score_scale(), causal=sel.causal,
-            )  # fmt: skip
+                c.qb.float(),
+                c.kb.float(),
+                block_size=c.block_size,
+                stride=c.stride,
+                score_scale=c.score_scale(),
+                causal=sel.causal,
+            )
         return mask_from_scores(scores, sel)
 
     @path(
-        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        "cuda",
+        "hip",
+        "xpu",
+        backend=TRITON,
+        dtypes=FLOATS,
+        inference_only=True,
         reasons=triton_estimate_reasons,
-    )  # fmt: skip
+    )
     def forward_cuda(self, c: EstimateCall) -> tuple[torch.Tensor, torch.Tensor]:
         """Block scores from the Triton kernel (antidiagonal methods only), then the
         native selection."""
         from ditops.kernels.triton.estimate import block_scores
 
         scores = block_scores(
-            c.qb, c.kb, block_size=c.block_size, stride=c.stride, score_scale=c.score_scale(),
+            c.qb,
+            c.kb,
+            block_size=c.block_size,
+            stride=c.stride,
+            score_scale=c.score_scale(),
             causal=c.sel.causal,
-        )  # fmt: skip
+        )
         return mask_from_scores(scores, c.sel)
 
     @path(backend=NPU_ESTIMATE, dtypes=HALF, inference_only=True, reasons=estimate_reasons)

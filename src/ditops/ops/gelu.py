@@ -64,8 +64,15 @@ class GeluTanhBiasOp(CustomOp):
         h = c.x if c.bias is None else (c.x + c.bias).to(c.x.dtype)
         return F.gelu(h, approximate="tanh")
 
-    @path("cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
-          propagates_non_finite=True)  # fmt: skip
+    @path(
+        "cuda",
+        "hip",
+        "xpu",
+        backend=TRITON,
+        dtypes=FLOATS,
+        inference_only=True,
+        propagates_non_finite=True,
+    )
     def forward_cuda(self, c: GeluCall) -> torch.Tensor:
         from ditops.kernels.triton.gelu import gelu_tanh_bias
 

@@ -235,9 +235,14 @@ class LayerNormScaleShiftOp(CustomOp):
         return kernel(c.x, w, b, s, t, c.eps, c.out_dtype, c.exact).reshape(c.shape)
 
     @path(
-        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        "cuda",
+        "hip",
+        "xpu",
+        backend=TRITON,
+        dtypes=FLOATS,
+        inference_only=True,
         reasons=_triton_reasons,
-    )  # fmt: skip
+    )
     def forward_cuda(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.triton.modulation import layer_norm_scale_shift as kernel
 
@@ -268,9 +273,14 @@ class GatedResidualOp(CustomOp):
         return kernel(c.residual, c.x, c.exact_operand("gate"), c.exact).reshape(c.shape)
 
     @path(
-        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        "cuda",
+        "hip",
+        "xpu",
+        backend=TRITON,
+        dtypes=FLOATS,
+        inference_only=True,
         reasons=_triton_reasons,
-    )  # fmt: skip
+    )
     def forward_cuda(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.triton.modulation import gated_residual as kernel
 
@@ -310,9 +320,14 @@ class ScaleResidualLayerNormScaleShiftOp(CustomOp):
         return out.reshape(c.shape), new_res.reshape(c.shape)
 
     @path(
-        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        "cuda",
+        "hip",
+        "xpu",
+        backend=TRITON,
+        dtypes=FLOATS,
+        inference_only=True,
         reasons=_triton_reasons,
-    )  # fmt: skip
+    )
     def forward_cuda(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
         from ditops.kernels.triton.modulation import scale_residual_layer_norm_scale_shift as kernel
 

@@ -85,7 +85,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.triton.layer_norm import round_rne
+from ditops.kernels.triton.rows import round_rne
 
 #: Most bytes of ``passes=1`` workspace one launch uses; more heads launch in groups.
 WORKSPACE_BYTES = 128 << 20

@@ -19,7 +19,7 @@ import triton.language as tl
 from torch import Tensor
 
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.triton.layer_norm import new_output, round_rne
+from ditops.kernels.triton.rows import new_output, round_rne
 
 #: Elements per program.
 BLOCK = 1024
@@ -52,9 +52,15 @@ def gelu_tanh_bias(x: Tensor, bias: Tensor | None) -> Tensor:
     n = x.numel()
     if n:
         _gelu_tanh_bias_kernel[(triton.cdiv(n, BLOCK),)](
-            x, bias.contiguous() if bias is not None else x, out, n, x.shape[-1],
-            HAS_BIAS=bias is not None, BLOCK=BLOCK, enable_fp_fusion=False,
-        )  # fmt: skip
+            x,
+            bias.contiguous() if bias is not None else x,
+            out,
+            n,
+            x.shape[-1],
+            HAS_BIAS=bias is not None,
+            BLOCK=BLOCK,
+            enable_fp_fusion=False,
+        )
     return out
 
 

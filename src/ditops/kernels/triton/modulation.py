@@ -44,12 +44,12 @@ import triton.language as tl
 from torch import Tensor
 
 from ditops.kernels.opaque import opaque_op
-from ditops.kernels.triton.layer_norm import (
+from ditops.kernels.triton.layer_norm import launch_layer_norm
+from ditops.kernels.triton.rows import (
     SUPPORTED_DTYPES,
     check_affine,
     check_float,
     gated_sum,
-    launch_layer_norm,
     modulation_args,
     modulation_rows,
     new_output,
@@ -64,13 +64,26 @@ _RESIDUAL_TILE = 4096
 
 @triton.jit
 def _gated_residual_kernel(
-    R, X, G, Out,
-    M, L, C,
-    r_sb, r_sl, x_sb, x_sl,
-    g_sb, g_sg, g_t, g_sc,
-    HAS_GATE: tl.constexpr, PROD_DTYPE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-):  # fmt: skip
+    R,
+    X,
+    G,
+    Out,
+    M,
+    L,
+    C,
+    r_sb,
+    r_sl,
+    x_sb,
+    x_sl,
+    g_sb,
+    g_sg,
+    g_t,
+    g_sc,
+    HAS_GATE: tl.constexpr,
+    PROD_DTYPE: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+):
     """``(residual.float() + x * gate).to(residual.dtype)`` over BLOCK_M rows of [B, L, C]."""
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     rmask = rows < M
@@ -187,13 +200,25 @@ def _launch_gated_residual(residual: Tensor, x: Tensor, gate: Tensor | None, out
     block_m = min(_RESIDUAL_TILE // block_c, triton.next_power_of_2(n_rows))
     num_warps = min(8, max(1, block_m * block_c // 512))
     _gated_residual_kernel[(triton.cdiv(n_rows, block_m),)](
-        residual, x, gate if gate is not None else x, out,
-        n_rows, length, c,
-        residual.stride(0), residual.stride(1), x.stride(0), x.stride(1),
+        residual,
+        x,
+        gate if gate is not None else x,
+        out,
+        n_rows,
+        length,
+        c,
+        residual.stride(0),
+        residual.stride(1),
+        x.stride(0),
+        x.stride(1),
         *modulation_args(gate, length),
-        HAS_GATE=gate is not None, PROD_DTYPE=prod_dtype, BLOCK_M=block_m, BLOCK_C=block_c,
-        num_warps=num_warps, enable_fp_fusion=False,
-    )  # fmt: skip
+        HAS_GATE=gate is not None,
+        PROD_DTYPE=prod_dtype,
+        BLOCK_M=block_m,
+        BLOCK_C=block_c,
+        num_warps=num_warps,
+        enable_fp_fusion=False,
+    )
 
 
 @opaque_op("ditops::triton_gated_residual")
@@ -220,9 +245,17 @@ def _scale_residual_layer_norm_scale_shift_op(
 ) -> tuple[Tensor, Tensor]:
     out, new_residual = new_output(residual, out_dtype), new_output(residual)
     launch_layer_norm(
-        x, out, weight, bias, eps,
-        residual=residual, gate=gate, new_residual=new_residual, scale=scale, shift=shift,
-    )  # fmt: skip
+        x,
+        out,
+        weight,
+        bias,
+        eps,
+        residual=residual,
+        gate=gate,
+        new_residual=new_residual,
+        scale=scale,
+        shift=shift,
+    )
     return out, new_residual
 
 

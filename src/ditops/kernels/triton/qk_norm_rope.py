@@ -42,7 +42,7 @@ from ditops.kernels.qk_norm_rope_tables import (
     normed_dtype,
     pair_tables,
 )
-from ditops.kernels.triton.layer_norm import round_rne, row_view, split_rows
+from ditops.kernels.triton.rows import round_rne, row_view, split_rows
 
 #: Target elements of one tile (both members of the pairs): narrow rows share a program.
 TILE_ELEMENTS = 4096
@@ -50,13 +50,37 @@ TILE_ELEMENTS = 4096
 
 @triton.jit
 def _norm_rope_kernel(
-    X, W, Out, C1, S1, C2, S2,
-    n_rows, L, H, HR, eps, inv_n, x_sb, x_sl, x_sh,
-    c_sb, c_sl, c_sd, s_sb, s_sl, s_sd,
-    HALF: tl.constexpr, P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_P: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_W: tl.constexpr, INTERLEAVED: tl.constexpr,
+    X,
+    W,
+    Out,
+    C1,
+    S1,
+    C2,
+    S2,
+    n_rows,
+    L,
+    H,
+    HR,
+    eps,
+    inv_n,
+    x_sb,
+    x_sl,
+    x_sh,
+    c_sb,
+    c_sl,
+    c_sd,
+    s_sb,
+    s_sl,
+    s_sd,
+    HALF: tl.constexpr,
+    P: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    BLOCK_P: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+    HAS_W: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
     PAIRED: tl.constexpr,
-):  # fmt: skip
+):
     """Norm rows ``[pid * BLOCK_R, +BLOCK_R)`` of one ``[B, L, H, D]`` tensor.
 
     A norm row is (token, head) when ``HR == H`` (per head) or a token when ``HR == 1``
@@ -126,10 +150,21 @@ def _norm_rope_kernel(
 
 @triton.jit
 def _rms_norm_kernel(
-    X, W, Out, n_rows, L, N, eps, inv_n, x_sb, x_sl,
-    BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr, HAS_W: tl.constexpr,
+    X,
+    W,
+    Out,
+    n_rows,
+    L,
+    N,
+    eps,
+    inv_n,
+    x_sb,
+    x_sl,
+    BLOCK_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HAS_W: tl.constexpr,
     ROUND_BEFORE_W: tl.constexpr,
-):  # fmt: skip
+):
     """RMSNorm of ``BLOCK_R`` rows of width N (rows on a [B, L] grid of strides x_sb, x_sl)."""
     rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     rmask = rows < n_rows
@@ -183,16 +218,39 @@ def _launch_norm_rope(
         return t.stride(0) if t.shape[0] > 1 else 0
 
     _norm_rope_kernel[(triton.cdiv(n_rows, block_r),)](
-        x, w if w is not None else x, out, tabs.c1, tabs.s1, tabs.c2, tabs.s2,
-        n_rows, L, H, 1 if across else H, eps, 1.0 / (H * D if across else D),
-        x.stride(0), x.stride(1), x.stride(2),
-        bstride(tabs.c1), tabs.c1.stride(1), tabs.c1.stride(2),
-        bstride(tabs.s1), tabs.s1.stride(1), tabs.s1.stride(2),
-        HALF=half, P=P, BLOCK_R=block_r, BLOCK_P=block_p,
-        HAS_NORM=across is not None, HAS_W=w is not None, INTERLEAVED=layout == "interleaved",
-        PAIRED=tabs.paired, num_warps=_warps(2 * block_r * block_p),
+        x,
+        w if w is not None else x,
+        out,
+        tabs.c1,
+        tabs.s1,
+        tabs.c2,
+        tabs.s2,
+        n_rows,
+        L,
+        H,
+        1 if across else H,
+        eps,
+        1.0 / (H * D if across else D),
+        x.stride(0),
+        x.stride(1),
+        x.stride(2),
+        bstride(tabs.c1),
+        tabs.c1.stride(1),
+        tabs.c1.stride(2),
+        bstride(tabs.s1),
+        tabs.s1.stride(1),
+        tabs.s1.stride(2),
+        HALF=half,
+        P=P,
+        BLOCK_R=block_r,
+        BLOCK_P=block_p,
+        HAS_NORM=across is not None,
+        HAS_W=w is not None,
+        INTERLEAVED=layout == "interleaved",
+        PAIRED=tabs.paired,
+        num_warps=_warps(2 * block_r * block_p),
         enable_fp_fusion=across is not None,
-    )  # fmt: skip
+    )
 
 
 def _out(x: Tensor, w: Tensor | None, convention: str | None) -> Tensor:
@@ -260,10 +318,22 @@ def rms_norm(x: Tensor, weight: Tensor | None, eps: float, convention: str) -> T
     block_r = max(1, min(TILE_ELEMENTS // block_n, triton.next_power_of_2(n_rows)))
     lp = weight is not None and convention == "diffusers" and weight.dtype in LOW_PRECISION
     _rms_norm_kernel[(triton.cdiv(n_rows, block_r),)](
-        rows, weight if weight is not None else rows, out, n_rows, length, n, eps, 1.0 / n,
-        x_sb, x_sl, BLOCK_R=block_r, BLOCK_N=block_n, HAS_W=weight is not None,
-        ROUND_BEFORE_W=lp, num_warps=_warps(block_r * block_n),
-    )  # fmt: skip
+        rows,
+        weight if weight is not None else rows,
+        out,
+        n_rows,
+        length,
+        n,
+        eps,
+        1.0 / n,
+        x_sb,
+        x_sl,
+        BLOCK_R=block_r,
+        BLOCK_N=block_n,
+        HAS_W=weight is not None,
+        ROUND_BEFORE_W=lp,
+        num_warps=_warps(block_r * block_n),
+    )
     return out
 
 
