@@ -1,7 +1,8 @@
 """What every patched model of a declared family must survive, written once: deep copies,
 pickling, patching again, torch.compile before any eager call, the Triton paths, and
 refusals that change nothing. A family's test module describes its tiny model as a
-:class:`Life` and calls these."""
+:class:`Life` and subclasses :class:`FamilyContract` with it (``class
+TestContract(FamilyContract)``), or calls these checks."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import io
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -176,3 +177,51 @@ def on_the_triton_paths(
     outs, refs = (o if isinstance(o, list) else [o] for o in (out, ref))
     assert all(max_rel_err(o, r) <= tolerance for o, r in zip(outs, refs))
     return used
+
+
+class FamilyContract:
+    """The checks above as tests: a family's test module subclasses this with its tiny
+    model (:attr:`life`), the weights a deep copy halves (:meth:`weights`), the model of one
+    block of each kind that compile and the Triton paths run (:meth:`small`) and what each
+    op is called there (:attr:`triton_calls`). The module imports ``fresh_process`` (the
+    compile test's fixture)."""
+
+    life: ClassVar[Life]
+    #: The ops on the Triton paths, the relative tolerance, and each op's calls there.
+    triton_ops: ClassVar[tuple[str, ...]]
+    triton_tolerance: ClassVar[float]
+    triton_calls: ClassVar[dict[str, int]]
+
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        """The weights a deep copy halves (its own, not the original's)."""
+        raise NotImplementedError
+
+    def small(self) -> Life:
+        """The model with one block of each kind."""
+        raise NotImplementedError
+
+    def prepare_compile(self, model: nn.Module) -> None:
+        """What must run eagerly before compiling (not ditops')."""
+
+    def test_sparse_attention_is_refused_naming_the_families_that_serve_it(self) -> None:
+        sparse_refused(self.life)
+
+    def test_deep_copy_is_an_independent_patched_model(self) -> None:
+        deep_copy_is_independent(self.life, self.weights)
+
+    def test_patched_model_pickles(self) -> None:
+        patched_model_pickles(self.life)
+
+    def test_patching_again_switches_precision(self) -> None:
+        patching_again_switches_precision(self.life)
+
+    @pytest.mark.slow
+    @pytest.mark.usefixtures("fresh_process")
+    def test_compile_first_fullgraph_without_recompiles(self) -> None:
+        compile_first_fullgraph(self.small(), self.prepare_compile)
+
+    def test_patched_model_on_the_triton_paths(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        used = on_the_triton_paths(
+            self.small(), monkeypatch, self.triton_ops, self.triton_tolerance
+        )
+        assert used == self.triton_calls

@@ -20,15 +20,10 @@ from torch import nn
 
 import ditops
 from tests.integrations.family_life import (
+    FamilyContract,
     Life,
-    compile_first_fullgraph,
-    deep_copy_is_independent,
     fresh_process,  # noqa: F401 (a fixture)
-    on_the_triton_paths,
-    patched_model_pickles,
-    patching_again_switches_precision,
     refused_whole,
-    sparse_refused,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
 from tests.precision import max_rel_err
@@ -298,28 +293,26 @@ def test_models_it_was_not_written_for_are_refused_whole(
     refused_whole(LIFE, change, fragment, monkeypatch)
 
 
-def test_sparse_attention_is_refused_naming_the_families_that_serve_it() -> None:
-    sparse_refused(LIFE)
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first, the Triton paths."""
 
+    life = LIFE
+    triton_ops = FLUX_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = {
+        "adaln_modulate": 3,
+        "adaln_residual_modulate": 2,
+        "adaln_residual": 2,
+        "qk_norm_rope": 2,
+    }
 
-# --- a patched model's life (tests/integrations/family_life.py) -----------------------------
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        blocks = model.transformer_blocks
+        return [w for b in blocks for w in (b.attn.norm_q.weight, b.txt_mod[1].weight)]
 
-
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    deep_copy_is_independent(
-        LIFE,
-        lambda m: [
-            w for b in m.transformer_blocks for w in (b.attn.norm_q.weight, b.txt_mod[1].weight)
-        ],
-    )
-
-
-def test_patched_model_pickles() -> None:
-    patched_model_pickles(LIFE)
-
-
-def test_patching_again_switches_precision() -> None:
-    patching_again_switches_precision(LIFE)
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1))
 
 
 def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
@@ -351,20 +344,3 @@ def test_first_block_cache_in_both_orders() -> None:
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
         ditops.unpatch(model)
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
-
-
-@pytest.mark.slow
-@pytest.mark.usefixtures("fresh_process")
-def test_compile_first_fullgraph_without_recompiles() -> None:
-    compile_first_fullgraph(replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1)))
-
-
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    one_block = replace(LIFE, make=functools.partial(tiny_qwen, num_layers=1))
-    used = on_the_triton_paths(one_block, monkeypatch, FLUX_OPS, FAST_REL_TOL)
-    assert used == {
-        "adaln_modulate": 3,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 2,
-        "qk_norm_rope": 2,
-    }

@@ -21,15 +21,10 @@ from torch import nn
 import ditops
 from ditops.integrations import PatchError
 from tests.integrations.family_life import (
+    FamilyContract,
     Life,
-    compile_first_fullgraph,
-    deep_copy_is_independent,
     fresh_process,  # noqa: F401 (a fixture)
-    on_the_triton_paths,
-    patched_model_pickles,
-    patching_again_switches_precision,
     refused_whole,
-    sparse_refused,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
@@ -303,41 +298,26 @@ def test_without_qk_norms_is_refused() -> None:
     assert not hasattr(model, "_ditops_patch")
 
 
-def test_sparse_attention_is_refused_naming_the_families_that_serve_it() -> None:
-    sparse_refused(LIFE)
-
-
-# --- a patched model's life (tests/integrations/family_life.py) -----------------------------
-
-
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    def weights(model: nn.Module) -> list[torch.Tensor]:
-        return [p for b in model.layers for p in (b.attention.norm_q.weight, b.ffn_norm1.weight)]
-
-    deep_copy_is_independent(LIFE, weights)
-
-
-def test_patched_model_pickles() -> None:
-    patched_model_pickles(LIFE)
-
-
-def test_patching_again_switches_precision() -> None:
-    patching_again_switches_precision(LIFE)
-
-
 def _rope_tables(model: nn.Module) -> None:
     # diffusers' RopeEmbedder builds its tables on the first call under a device context
     # manager, which dynamo does not trace (patched or not): built before compiling.
     model.rope_embedder(torch.zeros(1, 3, dtype=torch.long))
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("fresh_process")
-def test_compile_first_fullgraph_without_recompiles() -> None:
-    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
-    compile_first_fullgraph(one_layer, prepare=_rope_tables)
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first, the Triton paths."""
 
+    life = LIFE
+    triton_ops = ZIMAGE_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = per_forward(3)
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    one_layer = replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
-    assert on_the_triton_paths(one_layer, monkeypatch, ZIMAGE_OPS, FAST_REL_TOL) == per_forward(3)
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [p for b in model.layers for p in (b.attention.norm_q.weight, b.ffn_norm1.weight)]
+
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_z_image, n_layers=1))
+
+    def prepare_compile(self, model: nn.Module) -> None:
+        _rope_tables(model)
