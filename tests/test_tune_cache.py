@@ -64,6 +64,9 @@ def test_an_unknown_users_home_warns_and_keeps_choices_in_memory(
     assert "nosuchuser" in capsys.readouterr().out
     assert cli.main(["info", "--json"]) == 0
     assert "nosuchuser" in json.loads(capsys.readouterr().out)["tuning"]["cache_file"]
+    from ditops.bench.load import header
+
+    assert "in memory only" in header()[-1]  # ditops bench and tune open with it
 
 
 def test_deeply_nested_json_is_warned_about_and_ignored(ditops_warnings) -> None:

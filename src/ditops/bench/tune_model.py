@@ -139,7 +139,7 @@ def cli(args: argparse.Namespace, device: torch.device) -> int:
     except ModelLoadError as exc:
         print(f"ditops tune: {exc}", file=sys.stderr)
         return 2
-    print(f"tuned shape classes (cache {tune.cache_file()}):")
+    print(f"tuned shape classes (cache {tune_report.cache_place()}):")
     for line in tune_report.describe(found):
         print(line)
     return 0

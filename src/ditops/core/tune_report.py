@@ -9,6 +9,14 @@ from ditops.core.tune import Choice, cache_file, choices, fingerprint
 from ditops.core.tune_store import FORMAT
 
 
+def cache_place(cfg: config.Config | None = None) -> str:
+    """The cache file's path, or why there is none (a folder that cannot be named)."""
+    try:
+        return str(cache_file(cfg))
+    except OSError as exc:
+        return f"none ({exc}): choices kept in memory only"
+
+
 def describe(found: dict[str, Choice]) -> list[str]:
     """Lines for people: per shape class, the winner and the times that chose it."""
     lines = []
@@ -23,10 +31,7 @@ def report(cfg: config.Config | None = None) -> tuple[dict[str, Any], list[str]]
     """The tuning state for ``ditops info`` and ``ditops bench``: JSON-able, and lines."""
     cfg = cfg or config.get()
     found = choices(cfg) if cfg.tune != "off" else {}
-    try:
-        where = str(cache_file(cfg))
-    except OSError as exc:
-        where = f"none: {exc}"
+    where = cache_place(cfg)
     data = {
         "mode": cfg.tune,
         "fingerprint": fingerprint(),
