@@ -29,7 +29,7 @@ from ditops.attention.methods import (
     select_per_head,
     select_per_layer,
 )
-from ditops.core.checks import check_choice, check_flag, check_int
+from ditops.core.checks import as_real, check_choice, check_flag, check_int
 from ditops.tracing import traced
 
 #: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
@@ -115,9 +115,9 @@ class BlockSelection:
 
 def check_mass_value(mass: object, where: str) -> float:
     """``mass`` as a float in (0, 1], or a TypeError/ValueError saying what is valid."""
-    if not _is_number(mass):
+    value = as_real(mass)  # numpy's numbers and 0-d arrays too, as the other settings
+    if value is None:
         raise TypeError(f"{where}: mass must be a number in (0, 1], got {mass!r}")
-    value = float(mass)  # type: ignore[arg-type]
     if not 0.0 < value <= 1.0:  # False for NaN too
         raise ValueError(
             f"{where}: mass must be in (0, 1] (the share of each row's attention mass the "
