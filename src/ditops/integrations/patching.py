@@ -42,7 +42,7 @@ from ditops.integrations.shared.base import (
     PatchRecord,
 )
 from ditops.integrations.shared.family import DeclaredFamily
-from ditops.integrations.shared.norms import GenericFamily
+from ditops.integrations.shared.norms import GenericFamily, has_swappable_norms
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
 from ditops.integrations.z_image.family import SPEC as Z_IMAGE
@@ -87,9 +87,11 @@ class PatchReport:
 
     models: dict[str, dict[str, int]]
     unfused: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Components of a pipeline left as they were: nothing in them to patch (why).
+    nothing: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        parts = []
+        parts = [f"{name}: nothing to patch ({why})" for name, why in self.nothing.items()]
         for name, summary in self.models.items():
             what = ", ".join(f"{n} {k}" for k, n in sorted(summary.items())) or "nothing"
             why = self.unfused.get(name)
@@ -129,6 +131,20 @@ def _models_of(target: Any) -> dict[str, nn.Module]:
     raise PatchError(
         f"patch expects a diffusers model (nn.Module) or a pipeline with transformer "
         f"components, got {type(target).__name__}"
+    )
+
+
+def nothing_to_patch(model: nn.Module, family: ModelFamily, options: PatchOptions) -> str:
+    """Why patching ``model`` as asked could change nothing in any precision ("" when
+    it can): a model no family recognises (the generic patch: norms only) with no
+    FP32LayerNorm or nn.LayerNorm. A single such model is refused (a silent "nothing"
+    reads as success); a pipeline lists such components in its report."""
+    if family.name != "generic" or not options.norms or has_swappable_norms(model):
+        return ""
+    deeper = ", ".join(c for f in FAMILIES for c in f.model_classes)
+    return (
+        f"{type(model).__name__} has no FP32LayerNorm or nn.LayerNorm, what ditops patches "
+        f"in any model, and is none of the models with a deeper patch ({deeper})"
     )
 
 
@@ -205,6 +221,7 @@ def patch(
     models = _models_of(target)
     report: dict[str, dict[str, int]] = {}
     unfused: dict[str, dict[str, str]] = {}
+    nothing: dict[str, str] = {}  # pipeline components with nothing to patch: why
     todo: list[tuple[str, nn.Module, ModelFamily, Any, PatchOptions]] = []
     undone: list[PatchRecord] = []  # earlier patches taken off to check the new options
     try:
@@ -219,7 +236,16 @@ def patch(
                 undone.append(existing)
             family = family_of(model)
             _refuse_float64(model, family, options)
+            why = nothing_to_patch(model, family, options)
+            if why:
+                nothing[name] = why
+                continue
             todo.append((name, model, family, family.check(model, options), options))
+        if nothing and (isinstance(target, nn.Module) or len(nothing) == len(models)):
+            raise PatchError(
+                f"ditops.patch: nothing to patch: {'; '.join(nothing.values())}; nothing "
+                "was changed"
+            )
         done: list[tuple[nn.Module, PatchRecord]] = []
         try:
             for name, model, family, plan, options in todo:
@@ -238,7 +264,9 @@ def patch(
         raise
     for model, record in done:
         model._ditops_patch = record  # type: ignore[assignment]
-    result = PatchReport(report, {k: v for k, v in unfused.items() if v})
+    result = PatchReport(report, {k: v for k, v in unfused.items() if v}, nothing)
+    for name, why in nothing.items():
+        logger.warning("ditops.patch: %s: nothing to patch, left as it is (%s)", name, why)
     logger.info("ditops.patch: %s", result)
     return result
 
