@@ -100,8 +100,11 @@ class BlockSparseConfig:
             blocks counted (:func:`ditops.attention.mass.select_by_mass`): every
             head gets the density it needs, local heads few blocks, diffuse heads more.
             The density that results is the mask's that runs
-            (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`).
-            Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
+            (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`,
+            ``ditops.sparse_densities(model)``). The mass is the *estimate's* (sampled
+            rows see a row's mass in part): the mass covered in truth may be a few
+            hundredths less on some heads; :func:`ditops.attention.covered_mass`
+            measures it. Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
             Needs ``threshold=1``, ``forced_blocks="in_budget"`` and a per-row or
             per-head method (not ``"sampled_layer"``).
         permute: the permuted mode (:mod:`ditops.attention.permute`, after Sparse

@@ -355,10 +355,12 @@ def _forced_only(
     if budget.forced > budget.total and key not in _WARNED_FORCED_ONLY and not traced():
         _WARNED_FORCED_ONLY.add(key)
         logger.warning(
-            "ditops block-sparse attention: the forced blocks (first frame: %d block rows "
-            "and columns, sink, recent) are %.3f of the %dx%d block map, more than the "
-            "density asked for (%.3f = 1 - sparsity); running the forced blocks only. The "
-            "smallest density reachable at this shape is %.3f (sparsity %.3f).",
+            "ditops block-sparse attention: the forced blocks (%d leading dense blocks, "
+            "rows and columns: the first frame and what the model family keeps dense with "
+            "it, such as text or history latents; sink, recent) are %.3f of the %dx%d block "
+            "map, more than the density asked for (%.3f = 1 - sparsity); running the "
+            "forced blocks only: density %.3f ran (sparsity %.3f), the smallest reachable "
+            "at this shape (ditops.sparse_densities reads it per layer).",
             sel.dense_blocks,
             budget.min_density,
             q_blocks,

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.attention.block_mask import MaskDensity
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.chroma.family import SPEC as CHROMA
 from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
@@ -287,6 +288,30 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
         for place, (module, bypass) in record.targets.items():
             places[place] = bypass.problem(module) or "fused"
         out[name] = dict(sorted(places.items()))
+    return out
+
+
+def sparse_densities(target: Any) -> dict[str, dict[str, MaskDensity | None]]:
+    """The density each sparse self-attention of a patched model ran at its last eager
+    sparse call: ``{model: {attention place: MaskDensity | None}}`` (``None``: dense, or
+    no sparse call yet; places as in ``named_modules``).
+
+    The density asked (``1 - sparsity``) counts every family's forced dense part (the
+    first frame, and what a family keeps dense with it: HunyuanVideo-Framepack's text,
+    history and clean latents); where that part alone is more, only it runs, with a
+    warning, and this is where the density that ran is read. With a mass target it is
+    the density the scores needed.
+    """
+    from ditops.layers.sparse_attention import BlockSparseAttention
+
+    out: dict[str, dict[str, MaskDensity | None]] = {}
+    for name, model in _models_of(target).items():
+        found: dict[str, MaskDensity | None] = {}
+        for place, module in model.named_modules():
+            sparse = getattr(getattr(module, "processor", None), "sparse", None)
+            if isinstance(sparse, BlockSparseAttention):
+                found[place] = sparse.last_density()
+        out[name] = found
     return out
 
 

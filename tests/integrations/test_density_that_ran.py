@@ -1,0 +1,50 @@
+"""What is asked is what runs, or the user is told: every family counts its forced dense
+part (Wan's first frame, HunyuanVideo-Framepack's text, history and first frame) in the
+density asked; where that part alone is more, a warning says so and the density that ran
+is read back per layer (ditops.sparse_densities)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import ditops
+from ditops.attention.schedule import BlockSparseConfig
+
+pytest.importorskip("diffusers", reason="the diffusers extra is part of the test install")
+
+
+def test_framepack_whose_forced_part_exceeds_the_density_warns_and_reports_it(
+    ditops_warnings,
+) -> None:
+    from tests.integrations.test_diffusers_hunyuan_video_framepack import inputs, run, tiny
+
+    model = tiny()
+    x = inputs(batch=1, frames=3, hw=16)  # history and clean latents: 84 of 276 tokens
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16)
+    ditops.patch(model, precision="exact", attention=cfg)
+    assert set(ditops.sparse_densities(model)[type(model).__name__].values()) == {None}
+    run(model, "cond", **x)
+    run(model, "cond", **{**x, "timestep": torch.tensor([400])})
+    ran = ditops.sparse_densities(model)[type(model).__name__]
+    assert len(ran) == 4 and all(d is not None for d in ran.values())
+    densities = {round(d.block_density, 3) for d in ran.values() if d is not None}
+    (warning,) = [m for m in ditops_warnings() if "forced" in m]
+    assert "leading dense blocks" in warning and "0.500" in warning
+    assert all(d > 0.5 and f"{d:.3f}" in warning for d in densities)
+
+
+def test_wan_runs_the_density_asked_and_reports_it() -> None:
+    from tests.integrations.test_diffusers_wan import inputs, run, tiny_wan
+
+    model = tiny_wan(False)
+    x = inputs(frames=8, hw=16)  # 512 tokens, 32 blocks: the first frame is 2 of them
+    cfg = BlockSparseConfig(sparsity=0.5, block_size=16)
+    ditops.patch(model, attention=cfg)
+    run(model, **x)
+    ran = ditops.sparse_densities(model)[type(model).__name__]
+    assert ran and all(d is not None and abs(d.block_density - 0.5) <= 1 / 32 for d in ran.values())
+
+
+def test_an_unpatched_model_has_no_sparse_layers() -> None:
+    assert ditops.sparse_densities(torch.nn.Linear(2, 2)) == {"Linear": {}}
