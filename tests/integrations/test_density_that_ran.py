@@ -48,3 +48,33 @@ def test_wan_runs_the_density_asked_and_reports_it() -> None:
 
 def test_an_unpatched_model_has_no_sparse_layers() -> None:
     assert ditops.sparse_densities(torch.nn.Linear(2, 2)) == {"Linear": {}}
+
+
+def _asked_or_told(model: torch.nn.Module, warnings: list[str], asked: float, blocks: int) -> int:
+    """Every sparse layer ran the density asked (within a block row's share), or a warning
+    gave the density that ran; returns how many layers ran sparse."""
+    ran = [d for d in ditops.sparse_densities(model)[type(model).__name__].values() if d]
+    for d in ran:
+        told = any(f"density {d.block_density:.3f} ran" in m for m in warnings)
+        assert abs(d.block_density - asked) <= 1 / blocks or told, (d.block_density, warnings)
+    return len(ran)
+
+
+@pytest.mark.parametrize("hw", [8, 32])
+def test_hunyuan_video_runs_the_density_asked_or_says_what_ran(hw: int, ditops_warnings) -> None:
+    from tests.integrations.test_diffusers_hunyuan_video import inputs, run, tiny_hunyuan
+
+    model = tiny_hunyuan(torch.float32)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=16))
+    run(model, "cond", **inputs(torch.float32, frames=4, hw=hw))
+    blocks = (4 * hw * hw // 4 + 7) // 16 + 1
+    assert _asked_or_told(model, ditops_warnings(), 0.5, blocks) > 0
+
+
+def test_mochi_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> None:
+    from tests.integrations.test_diffusers_mochi import inputs, run, tiny_mochi
+
+    model = tiny_mochi(torch.float32)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=4, stride=4))
+    run(model, **inputs(torch.float32, batch=1))
+    assert _asked_or_told(model, ditops_warnings(), 0.5, 8) > 0
