@@ -78,3 +78,12 @@ def test_mochi_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> None:
     ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=4, stride=4))
     run(model, **inputs(torch.float32, batch=1))
     assert _asked_or_told(model, ditops_warnings(), 0.5, 8) > 0
+
+
+def test_cogvideox_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> None:
+    from tests.integrations.test_diffusers_cogvideox import inputs, run, tiny_cogvideox
+
+    model = tiny_cogvideox(torch.float32)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=8))
+    run(model, "cond", **inputs(model, frames=4, hw=16))
+    assert _asked_or_told(model, ditops_warnings(), 0.5, 16) > 0
