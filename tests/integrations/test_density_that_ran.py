@@ -87,3 +87,21 @@ def test_cogvideox_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> N
     ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=8))
     run(model, "cond", **inputs(model, frames=4, hw=16))
     assert _asked_or_told(model, ditops_warnings(), 0.5, 16) > 0
+
+
+def test_hunyuan_video15_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> None:
+    from tests.integrations.test_diffusers_hunyuan_video15 import inputs, run, tiny_model
+
+    model = tiny_model(torch.float32)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=8))
+    run(model, "cond", **inputs(torch.float32, frames=4, hw=16))
+    assert _asked_or_told(model, ditops_warnings(), 0.5, 32) > 0
+
+
+def test_ltx_video_runs_the_density_asked_or_says_what_ran(ditops_warnings) -> None:
+    from tests.integrations.test_diffusers_ltx_video import inputs, run, tiny_ltx
+
+    model = tiny_ltx(torch.float32)
+    ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5, block_size=8))
+    run(model, 0, **inputs(torch.float32, frames=4, hw=8))
+    assert _asked_or_told(model, ditops_warnings(), 0.5, 32) > 0
