@@ -237,11 +237,12 @@ def patch(
                 undone.append(existing)
             family = family_of(model)
             _refuse_float64(model, family, options)
+            plan = family.check(model, options)  # its refusals (sparse asked) first
             why = nothing_to_patch(model, family, options)
             if why:
                 nothing[name] = why
                 continue
-            todo.append((name, model, family, family.check(model, options), options))
+            todo.append((name, model, family, plan, options))
         if nothing and (isinstance(target, nn.Module) or len(nothing) == len(models)):
             raise PatchError(
                 f"ditops.patch: nothing to patch: {'; '.join(nothing.values())}; nothing "
