@@ -5,7 +5,7 @@ An earlier field note said torch 2.13's CPU FlexAttention failed to compile when
 This compiles full blocks alone (no ``mask_mod``) and full plus partial blocks with a
 causal ``mask_mod``, in fp32 and bf16, and checks the result against SDPA with the
 same token mask. The test suite watches the same thing through the ``cuda`` path tests
-in tests/layers/test_attention.py (FlexAttention on CPU tensors, full blocks since
+in tests/ops/test_block_sparse_attention.py (FlexAttention on CPU tensors, full blocks since
 ``to_flex_block_mask`` uses them).
 
     PYTHONPATH=src python benchmarks/cpu/probes/flex_full_blocks.py

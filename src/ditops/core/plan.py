@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ditops import config
-from ditops.core import registry
+from ditops.core import registry, same_bits
 from ditops.core.calls import Args, OpCall
 from ditops.core.checks import dtype_name
 from ditops.core.declared import Declared
@@ -100,8 +100,9 @@ def make_plan(
     chosen = usable[0].name if usable else NATIVE
     decision = Decision(cls.op_name, kind, precision, chosen, candidates)
     routes = tuple((spec, runner(cls, spec, cls.takes_arguments)) for spec in usable)
-    names = tuple(s.name for s in usable) + ((NATIVE,) if cls.meaning_competes else ())
-    competitors = names if cfg.tune != "off" and len(names) > 1 else ()
+    # Only paths giving the same bits compete: timing never changes a result.
+    same = same_bits.competitors(usable, precision, cls.meaning_competes)
+    competitors = same if cfg.tune != "off" else ()
     return Plan(routes, precision == "exact", decision, competitors)
 
 

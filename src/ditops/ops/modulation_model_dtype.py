@@ -187,25 +187,18 @@ class AdaLNModulateOp(CustomOp):
         return _native_modulate(c, c.x).reshape(c.shape)
 
     @path(
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
     def forward_cpu(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.cpu.adaln import modulate as kernel
 
         return kernel(c.x, c.rows("scale"), c.rows("shift"), c.eps, c.exact).reshape(c.shape)
 
     @path(
-        "cpu",
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
+    )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> torch.Tensor:
         # The meaning over the whole tensor on every intra-op thread, its product and sum
         # in place (eager's bits, one buffer instead of three). For the tuner: on a quiet
@@ -215,15 +208,9 @@ class AdaLNModulateOp(CustomOp):
         return _native_modulate(c, c.x, in_place=True).reshape(c.shape)
 
     @path(
-        "cuda",
-        "hip",
-        "xpu",
-        backend=TRITON,
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
     def forward_cuda(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.triton.modulation import layer_norm_scale_shift as kernel
 
@@ -244,25 +231,19 @@ class AdaLNResidualOp(CustomOp):
         return _native_residual(c).reshape(c.shape)
 
     @path(
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+        fast_bits="native",  # the kernel gives eager's bits in both precisions
+    )  # fmt: skip
     def forward_cpu(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.cpu.adaln import residual as kernel
 
         return kernel(c.residual, c.x, c.rows("gate")).reshape(c.shape)
 
     @path(
-        "cpu",
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
+    )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> torch.Tensor:
         # The meaning's two ATen calls over the whole tensor, the product written into the
         # output and the residual added in place (same operands, same order: eager's
@@ -272,15 +253,9 @@ class AdaLNResidualOp(CustomOp):
         return _whole_residual(c).reshape(c.shape)
 
     @path(
-        "cuda",
-        "hip",
-        "xpu",
-        backend=TRITON,
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
     def forward_cuda(self, c: ModulationCall) -> torch.Tensor:
         # Wan's gated-residual kernel rounds ``x * gate`` to their dtype before the fp32
         # sum: with one dtype throughout that is eager's ``residual + gate * x``.
@@ -312,12 +287,9 @@ class AdaLNResidualModulateOp(CustomOp):
         return _native_modulate(c, new_res).reshape(c.shape), new_res.reshape(c.shape)
 
     @path(
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
     def forward_cpu(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
         from ditops.kernels.cpu.adaln import residual_modulate as kernel
 
@@ -326,13 +298,9 @@ class AdaLNResidualModulateOp(CustomOp):
         return out.reshape(c.shape), new_res.reshape(c.shape)
 
     @path(
-        "cpu",
-        precisions=("exact", "fast"),
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
+    )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
         # Both meanings over the whole tensor, products and sums in place (eager's bits):
         # where the blocked kernel loses (quiet, FLUX's size: 0.85x the meaning) this
@@ -343,15 +311,9 @@ class AdaLNResidualModulateOp(CustomOp):
         )
 
     @path(
-        "cuda",
-        "hip",
-        "xpu",
-        backend=TRITON,
-        dtypes=FLOATS,
-        inference_only=True,
-        propagates_non_finite=True,
-        reasons=one_dtype_reasons,
-    )
+        "cuda", "hip", "xpu", backend=TRITON, dtypes=FLOATS, inference_only=True,
+        propagates_non_finite=True, reasons=one_dtype_reasons,
+    )  # fmt: skip
     def forward_cuda(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
         from ditops.kernels.triton.modulation import scale_residual_layer_norm_scale_shift as k
 
