@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 import ditops
-from ditops.integrations.shared.base import PatchError
+from ditops.integrations.shared.refusals import PatchError
 
 
 class NoNorms(nn.Module):
