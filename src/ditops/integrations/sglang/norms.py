@@ -1,7 +1,7 @@
 """ditops' forwards for sglang's norm modules, in sglang's arithmetic.
 
-Registered by :func:`register` with ``CustomOp.register_oot_forward`` for the exact
-classes of ``sglang.multimodal_gen.runtime.layers.layernorm``; each forward is called as
+Bound by ditops' plugin (:mod:`.plugin`, :mod:`.forwards`) to the exact classes of
+``sglang.multimodal_gen.runtime.layers.layernorm``; each forward is called as
 ``fn(module, *args)`` and calls a ditops op, which picks its path per call from the
 tensors' device (CPU kernel, Triton, NPU, or the plain-torch meaning), with ditops'
 fallback and ``DITOPS_STRICT`` / ``DITOPS_PRECISION``.
@@ -55,8 +55,6 @@ from ditops.ops.modulation_fp32 import layer_norm_scale_shift, scale_residual_la
 from ditops.ops.qk_norm_rope import rms_norm
 
 log = logging.getLogger(__name__)
-#: The sglang classes these forwards serve (by name, in ``layernorm``).
-SERVED = ("FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "ScaleResidualLayerNormScaleShift")
 _warned: set[str] = set()
 
 Modulation = Any  # a tensor or a Python number, in sglang's shapes
@@ -191,18 +189,3 @@ def scale_residual_layer_norm_scale_shift_forward(
         _refused("ScaleResidualLayerNormScaleShift", error)
         h = _gated_sum(residual, x, gate)
         return _sglang_modulated_norm(norm, h, shift, scale), h
-
-
-def register(platform_key: str) -> None:
-    """Register the four forwards under ``platform_key`` (idempotent: a dict update)."""
-    from sglang.multimodal_gen.runtime.layers import layernorm as ln
-    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
-
-    forwards = (
-        fp32_layer_norm_forward,
-        rms_norm_forward,
-        layer_norm_scale_shift_forward,
-        scale_residual_layer_norm_scale_shift_forward,
-    )
-    for name, fn in zip(SERVED, forwards):
-        CustomOp.register_oot_forward(getattr(ln, name), fn=fn, platform_key=platform_key)
