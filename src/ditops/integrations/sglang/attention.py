@@ -104,9 +104,14 @@ def _server_config() -> Mapping[str, Any]:
     return get_global_server_args().attention_backend_config or {}
 
 
-def _device_kind() -> str:
-    from ditops.integrations.sglang.plugin import device_type
+def device_type() -> str:
+    """The device type of sglang's current platform (``cpu`` when it names none)."""
+    from sglang.multimodal_gen.runtime.platforms import current_platform
 
+    return str(getattr(current_platform, "device_type", "") or "cpu")
+
+
+def _device_kind() -> str:
     return device_type()
 
 

@@ -9,9 +9,11 @@
   without a weight (torch convention): bitwise in ``exact``, ditops' fast contract
   (1 ulp) in ``fast``.
 * ``RMSNormScaleShift`` / ``ScaleResidualRMSNormScaleShift``: sglang's CPU forward
-  calls a CPU build of sgl-kernel no registry serves; here they run sglang's own native
-  composition (its gated sum, its ``fuse_scale_shift_kernel`` read as the plain-torch
-  fallback), with the inner ``RMSNorm`` ditops' (:mod:`.norms`).
+  calls a CPU build of sgl-kernel no registry serves (and the native one of the latter
+  reaches it through its NPU probe); here they run sglang's native composition (the
+  gated sum; ``fuse_scale_shift_kernel`` read as its plain-torch fallback, or
+  ``normalized * (1 + scale) + shift``), the inner ``RMSNorm`` ditops' (:mod:`.norms`):
+  bitwise sglang's native expression where that runs (fp32, and ``exact``).
 * ``GeluAndMul(approximate="tanh")`` and ``NewGELU``: :data:`ditops.gelu_tanh_bias`
   (``F.gelu(x, approximate="tanh")``). ``GeluAndMul`` tanh is bitwise sglang's;
   ``NewGELU`` writes the same function as ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``
@@ -72,9 +74,12 @@ def rms_norm_scale_shift_forward(
 def scale_residual_rms_norm_scale_shift_forward(
     module: Any, residual: torch.Tensor, x: torch.Tensor, gate: Any, shift: Any, scale: Any
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``ScaleResidualRMSNormScaleShift.forward``: sglang's native composition (its norm
-    ditops' RMSNorm)."""
-    return module.forward_native(residual, x, gate, shift, scale)
+    """``ScaleResidualRMSNormScaleShift.forward``: sglang's native composition (its gated
+    sum, ditops' RMSNorm, ``normalized * (1 + scale) + shift``)."""
+    from ditops.integrations.sglang.norms import gated_sum
+
+    h = gated_sum(residual, x, gate)
+    return module.norm(h) * (1 + scale) + shift, h
 
 
 def gelu_and_mul_forward(module: Any, x: torch.Tensor) -> torch.Tensor:

@@ -97,7 +97,7 @@ def _widened_scale(scale: Modulation, dtype: torch.dtype) -> Modulation:
     return (1 + scale).to(dtype) - 1 if _narrower(scale, dtype) else scale
 
 
-def _gated_sum(residual: torch.Tensor, x: torch.Tensor, gate: Any) -> torch.Tensor:
+def gated_sum(residual: torch.Tensor, x: torch.Tensor, gate: Any) -> torch.Tensor:
     """sglang's ``residual + x * gate`` (per-frame gates ``[B, F, 1, C]`` included)."""
     if isinstance(gate, bool) or not isinstance(gate, (int, torch.Tensor)):
         raise ValueError(f"Gate type {type(gate)} not supported: sglang takes the int 1 or tensors")
@@ -168,7 +168,7 @@ def scale_residual_layer_norm_scale_shift_forward(
     """``ScaleResidualLayerNormScaleShift.forward`` in sglang's arithmetic (see above)."""
     norm = module.norm
     if not isinstance(gate, torch.Tensor):
-        _gated_sum(residual[:0], x[:0], gate)  # sglang's refusals of a non-tensor gate
+        gated_sum(residual[:0], x[:0], gate)  # sglang's refusals of a non-tensor gate
         summed = torch.promote_types(residual.dtype, x.dtype)
     else:
         product = torch.result_type(x.to("meta"), gate.to("meta"))
@@ -181,11 +181,11 @@ def scale_residual_layer_norm_scale_shift_forward(
             return scale_residual_layer_norm_scale_shift(
                 residual, x, g, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype
             )
-        h = _gated_sum(residual, x, gate)
+        h = gated_sum(residual, x, gate)
         s, t = _widened_scale(s, h.dtype), _widened_shift(t, h.dtype)
         out = layer_norm_scale_shift(h, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype)
         return out, h
     except (TypeError, ValueError) as error:
         _refused("ScaleResidualLayerNormScaleShift", error)
-        h = _gated_sum(residual, x, gate)
+        h = gated_sum(residual, x, gate)
         return _sglang_modulated_norm(norm, h, shift, scale), h

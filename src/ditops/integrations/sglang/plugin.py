@@ -27,8 +27,10 @@ in a process leaves that process stock even if the hooks are in place.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
+from collections.abc import Iterator
 from functools import partial
 from typing import Any
 
@@ -46,10 +48,27 @@ BACKEND = "ditops.integrations.sglang.attention.DitopsBlockSparseBackend"
 SPARSE_KERNEL_DEVICES = ("cpu", "cuda", "npu", "xpu")
 
 
+_forced: list[bool] = []
+
+
 def enabled() -> bool:
+    """``DITOPS_SGLANG``, unless :func:`forced` says otherwise for this block."""
+    if _forced:
+        return _forced[-1]
     from ditops.config import sglang_enabled
 
     return sglang_enabled()
+
+
+@contextlib.contextmanager
+def forced(on: bool) -> Iterator[None]:
+    """The hooks act as if the switch were ``on`` inside the block (the bench builds stock
+    and ditops models side by side in one process)."""
+    _forced.append(on)
+    try:
+        yield
+    finally:
+        _forced.pop()
 
 
 def served() -> dict[type, Any]:
@@ -77,25 +96,19 @@ def cached_get_attn_backend(original: Any, head_size, dtype, supported, selected
     return original(head_size, dtype, supported, selected)
 
 
-def device_type() -> str:
-    from sglang.multimodal_gen.runtime.platforms import current_platform
-
-    return str(getattr(current_platform, "device_type", "") or "cpu")
-
-
 def check_server_args(result: Any, server_args: Any) -> None:
     """After sglang built its arguments: refuse a bad config, say what ditops serves."""
     if not enabled():
         return None
     from sglang.multimodal_gen.runtime.platforms import current_platform
 
+    from ditops.integrations.sglang.attention import config_from, device_type
+
     names = ", ".join(sorted(cls.__name__ for cls in served()))
     platform = type(current_platform).__name__
     device = device_type()
     log.warning("ditops (sglang plugin) on %s (%s): ditops runs %s", platform, device, names)
     if (getattr(server_args, "attention_backend", None) or "").lower() == "block_sparse_attn":
-        from ditops.integrations.sglang.attention import config_from
-
         config_from(server_args.attention_backend_config, device)
         if device not in SPARSE_KERNEL_DEVICES:
             log.warning(
