@@ -104,3 +104,17 @@ def ulps(
     eps = torch.finfo(dtype or a.dtype).eps
     unit = torch.exp2(torch.floor(torch.log2(scale.float().abs().clamp_min(1e-30)))) * eps
     return float(((a.float() - b.float()).abs() / unit).max())
+
+
+def pair(factory):
+    """The same module twice: with ditops' plugin on and under sglang's stock CPU
+    platform, with the same random weights."""
+    with ditops_platform():
+        mine = factory()
+    with stock_cpu_platform():
+        ref = factory()
+    torch.manual_seed(1)
+    for p in mine.parameters():
+        p.data.normal_()
+    ref.load_state_dict(mine.state_dict())
+    return mine, ref

@@ -13,7 +13,12 @@ from sglang.multimodal_gen.runtime.layers.elementwise import MulAdd
 import ditops
 from ditops.integrations.sglang import elementwise as ew
 from ditops.integrations.sglang import norms
-from tests.sglang.helpers import ditops_platform, native_expression, stock_cpu_platform, ulps
+from tests.sglang.helpers import (
+    native_expression,
+    pair,
+    stock_cpu_platform,
+    ulps,
+)
 
 B, F, HW, C = 2, 3, 4, 64
 L = F * HW
@@ -28,16 +33,7 @@ def _inference():
     assert not ew._warned and not norms._warned, "fell back to sglang's expression"
 
 
-def _pair(factory):
-    with ditops_platform():
-        mine = factory()
-    with stock_cpu_platform():
-        ref = factory()
-    torch.manual_seed(1)
-    for p in mine.parameters():
-        p.data.normal_()
-    ref.load_state_dict(mine.state_dict())
-    return mine, ref
+_pair = pair
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
