@@ -1,7 +1,8 @@
 """A tiny Wan 2.1 text-to-video checkpoint in diffusers' layout, written at test time.
 
 sglang picks its pipeline config from the folder's name, so the checkpoint lives in a
-folder named like the real one (``.../Wan2.1-T2V-1.3B-Diffusers``). Parts: a 2-layer
+folder named like the real one (``.../Wan2.1-T2V-1.3B-Diffusers``; Wan 2.2's two-expert
+``Wan2.2-T2V-A14B-Diffusers`` with ``experts=2``). Parts: a 2-layer
 ``WanTransformer3DModel`` (dim 64, 2 heads), a small ``AutoencoderKLWan``, a 2-layer
 UMT5 encoder, a word-level tokenizer, UniPC. Random weights with a fixed seed: the
 frames mean nothing, the arithmetic is all there. Written in a few seconds.
@@ -19,29 +20,25 @@ PROMPT = "a red cat runs in the snow"
 TEXT_DIM = 32
 
 
-def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int = 2) -> Path:
-    """Write the checkpoint under ``root`` and return its folder."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+def write_tiny_wan(
+    root: Path,
+    layers: int = 2,
+    dim_head: int = 32,
+    heads: int = 2,
+    name: str = "Wan2.1-T2V-1.3B-Diffusers",
+    experts: int = 1,
+) -> Path:
+    """Write the checkpoint under ``root`` and return its folder. ``experts=2`` writes
+    Wan 2.2 A14B's layout (``transformer_2``, the low-noise expert; name it
+    ``Wan2.2-T2V-A14B-Diffusers``)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-    path = root / "Wan2.1-T2V-1.3B-Diffusers"
+    path = root / name
     torch.manual_seed(0)
-    WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=dim_head,
-        in_channels=16,
-        out_channels=16,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=128,
-        num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=64,
-    ).save_pretrained(path / "transformer")
+    for folder in ("transformer", "transformer_2")[:experts]:
+        _transformer(heads, dim_head, layers).save_pretrained(path / folder)
     AutoencoderKLWan(
         base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
         temperal_downsample=[False, True, True],
@@ -60,7 +57,16 @@ def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int =
     UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     ).save_pretrained(path / "scheduler")
-    index = {
+    index = _index()
+    if experts == 2:
+        index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+        index["boundary_ratio"] = 0.875
+    (path / "model_index.json").write_text(json.dumps(index, indent=1))
+    return path
+
+
+def _index() -> dict[str, object]:
+    return {
         "_class_name": "WanPipeline",
         "_diffusers_version": "0.37.0",
         "transformer": ["diffusers", "WanTransformer3DModel"],
@@ -69,8 +75,26 @@ def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int =
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
     }
-    (path / "model_index.json").write_text(json.dumps(index, indent=1))
-    return path
+
+
+def _transformer(heads: int, dim_head: int, layers: int):
+    from diffusers import WanTransformer3DModel
+
+    return WanTransformer3DModel(
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=dim_head,
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=128,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    )
 
 
 if __name__ == "__main__":

@@ -78,10 +78,18 @@ def served() -> dict[type, Any]:
     return forwards()
 
 
+#: The served classes this process has bound ditops' forward to (logged once each).
+bound: set[str] = set()
+
+
 def dispatch_forward(original: Any, module: Any) -> Any:
     if enabled():
         fn = served().get(type(module))
         if fn is not None:
+            name = type(module).__name__
+            if name not in bound:
+                bound.add(name)
+                log.info("ditops: sglang's %s runs ditops' forward (%s)", name, fn.__name__)
             return partial(fn, module)
     return original(module)
 
