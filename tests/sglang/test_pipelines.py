@@ -74,3 +74,39 @@ def test_flux1_and_z_image_run_on_ditops_with_stock_s_frames(tmp_path: Path) -> 
     diff = np.abs(frames["zimage ditops"] - frames["zimage stock"])
     assert diff.mean() < 0.01 * np.abs(frames["zimage stock"]).mean()
     assert not bound_ops(logs["flux stock"]) and not bound_ops(logs["zimage stock"])
+
+
+SPARSE = ["block_sparse_attn", "sparsity=0.5,skip_first_steps=1,block_size=16"]
+
+
+@pytest.mark.slow
+def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
+    """Wan 2.2 T2V-A14B (two experts), Wan 2.2 TI2V-5B and HunyuanVideo with ditops'
+    ``block_sparse_attn`` from step 1 (stock sglang stops at their first fused norm on a
+    CPU): frames come out, the backend ran with its honest density (the forced first
+    frame made dense is reported once, not per layer), and the text encoders stay dense
+    without a warning per layer."""
+    from tests.sglang.tiny_video import write_tiny_hunyuan_video
+    from tests.sglang.tiny_wan import write_tiny_wan
+
+    checkpoints = {
+        "wan2.2-a14b": write_tiny_wan(tmp_path, name="Wan2.2-T2V-A14B-Diffusers", experts=2),
+        "wan2.2-ti2v": write_tiny_wan(tmp_path, name="Wan2.2-TI2V-5B-Diffusers", ti2v=True),
+        "hunyuanvideo": write_tiny_hunyuan_video(tmp_path),
+    }
+    runs = {
+        name: (ckpt, tmp_path / f"{name}.npy", True, {}, SPARSE)
+        for name, ckpt in checkpoints.items()
+    }
+    logs = run_all(runs)
+    for name, log in logs.items():
+        frames = np.load(runs[name][1])
+        assert frames.ndim == 4 and frames.shape[0] >= 1 and np.isfinite(frames).all(), name
+        assert "Attention backends for transformer: block_sparse_attn" in log, name
+        assert log.count("forced blocks") <= 1, name  # once per process, not per layer
+        assert log.count("dense SDPA runs there") <= 2, name  # one line per reason
+        ops = bound_ops(log)
+        assert {"RMSNorm", "LayerNormScaleShift"} <= ops or name == "hunyuanvideo", (name, ops)
+    assert "MulAdd" in bound_ops(logs["wan2.2-a14b"]) and "MulAdd" in bound_ops(
+        logs["hunyuanvideo"]
+    )

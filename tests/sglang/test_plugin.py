@@ -196,3 +196,19 @@ def test_a_k_v_config_with_an_unknown_key_stops_start_up(tmp_path: Path) -> None
     assert "block_sparse_attn (ditops): unknown --attention-backend-config key(s) bogus" in (
         out.stderr + out.stdout
     )
+
+
+def test_text_encoders_stay_dense_under_block_sparse_attn() -> None:
+    from sglang.multimodal_gen.runtime.layers.attention import selector
+
+    sparse = AttentionBackendEnum.BLOCK_SPARSE_ATTN
+    install_hooks()
+    with ditops_platform():
+        for component, want in (
+            ("text_encoder", "SDPABackend"), ("text_encoder_2", "SDPABackend"),
+            ("image_encoder", "SDPABackend"), ("transformer", "DitopsBlockSparseBackend"),
+            ("transformer_2", "DitopsBlockSparseBackend"),
+        ):  # fmt: skip
+            with selector.component_attn_backend_context_manager(None, component):
+                got = selector._cached_get_attn_backend(64, torch.float32, (), sparse)
+            assert got.__name__ == want, component

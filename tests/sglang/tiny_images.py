@@ -14,6 +14,8 @@ import torch
 
 from tests.sglang.tiny_wan import WORDS
 
+__all__ = ["TEXT_DIM", "WORDS", "write_tiny_flux", "write_tiny_zimage"]
+
 TEXT_DIM = 32
 
 

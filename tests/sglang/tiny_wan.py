@@ -27,10 +27,12 @@ def write_tiny_wan(
     heads: int = 2,
     name: str = "Wan2.1-T2V-1.3B-Diffusers",
     experts: int = 1,
+    ti2v: bool = False,
 ) -> Path:
     """Write the checkpoint under ``root`` and return its folder. ``experts=2`` writes
     Wan 2.2 A14B's layout (``transformer_2``, the low-noise expert; name it
-    ``Wan2.2-T2V-A14B-Diffusers``)."""
+    ``Wan2.2-T2V-A14B-Diffusers``); ``ti2v=True`` Wan 2.2 TI2V-5B's (its 48-channel
+    residual VAE with a 2x2 patch, 16x spatial; name it ``Wan2.2-TI2V-5B-Diffusers``)."""
     from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
@@ -38,11 +40,16 @@ def write_tiny_wan(
     path = root / name
     torch.manual_seed(0)
     for folder in ("transformer", "transformer_2")[:experts]:
-        _transformer(heads, dim_head, layers).save_pretrained(path / folder)
-    AutoencoderKLWan(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    ).save_pretrained(path / "vae")  # fmt: skip
+        _transformer(heads, dim_head, layers, 48 if ti2v else 16).save_pretrained(path / folder)
+    vae = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+               temperal_downsample=[False, True, True])  # fmt: skip
+    if ti2v:
+        vae.update(
+            z_dim=48, decoder_base_dim=16, is_residual=True, in_channels=12, out_channels=12,
+            patch_size=2, scale_factor_spatial=16, latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+        )  # fmt: skip
+    AutoencoderKLWan(**vae).save_pretrained(path / "vae")
     UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2,
@@ -77,15 +84,15 @@ def _index() -> dict[str, object]:
     }
 
 
-def _transformer(heads: int, dim_head: int, layers: int):
+def _transformer(heads: int, dim_head: int, layers: int, channels: int):
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
         patch_size=(1, 2, 2),
         num_attention_heads=heads,
         attention_head_dim=dim_head,
-        in_channels=16,
-        out_channels=16,
+        in_channels=channels,
+        out_channels=channels,
         text_dim=TEXT_DIM,
         freq_dim=32,
         ffn_dim=128,

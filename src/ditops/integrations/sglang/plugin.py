@@ -11,7 +11,9 @@ hooks put ditops' ops under it:
   sglang binds forwards in ``CustomOp.__init__``, so this holds for every model built
   after the hooks apply (sglang applies them before it builds any).
 * ``selector._cached_get_attn_backend`` (around): ``block_sparse_attn`` resolves to
-  ditops' backend on every platform; every other choice as the platform answers it.
+  ditops' backend on every platform, for the DiTs; text and image encoders (sglang
+  builds them under the global backend too) get the platform's dense default, with no
+  warning; every other choice as the platform answers it.
 * ``ServerArgs.__post_init__`` (after): ``--attention-backend-config`` in every form
   sglang takes (JSON, ``k=v``, a ``.json``/``.yaml`` file; sglang has parsed it by then)
   is checked when the arguments are built, before any worker starts; the start-up
@@ -94,10 +96,20 @@ def dispatch_forward(original: Any, module: Any) -> Any:
     return original(module)
 
 
+#: Components whose attention stays dense under ``block_sparse_attn`` (no latent video).
+DENSE_COMPONENTS = ("text_encoder", "image_encoder")
+
+
 def cached_get_attn_backend(original: Any, head_size, dtype, supported, selected) -> Any:
+    from sglang.multimodal_gen.runtime.layers.attention.selector import (
+        get_component_attn_backend_name,
+    )
     from sglang.multimodal_gen.runtime.platforms import AttentionBackendEnum
 
     if enabled() and selected == AttentionBackendEnum.BLOCK_SPARSE_ATTN:
+        component = get_component_attn_backend_name() or ""
+        if component.startswith(DENSE_COMPONENTS):  # the platform's default, dense
+            return original(head_size, dtype, supported, None)
         from ditops.integrations.sglang.attention import DitopsBlockSparseBackend
 
         return DitopsBlockSparseBackend
