@@ -40,6 +40,8 @@ def main() -> None:
         )  # fmt: skip
         if image:
             del params["num_frames"]
+        if os.environ.get("RUN_GENERATOR_IMAGE"):  # image-to-video: the first frame
+            params["image_path"] = os.environ["RUN_GENERATOR_IMAGE"]
         result = generator.generate(sampling_params_kwargs=params)
         done = time.perf_counter()
     finally:
