@@ -110,11 +110,14 @@ def test_gelu_and_mul_tanh_bitwise_and_none_stays_sglang_s(dtype) -> None:
     assert torch.equal(plain(x), plain.forward_native(x))
 
 
-@pytest.mark.parametrize(("dtype", "bound"), [(torch.float32, 4), (torch.bfloat16, 2)])
-def test_new_gelu_within_its_stated_ulps(dtype, bound) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_new_gelu_within_its_stated_ulps(dtype) -> None:
+    """Measured at the magnitude ``|GELU(x)| + |x| / 2``: sglang's spelling loses its
+    precision in ``1 + tanh(...)`` for x << 0 (torch 2.14's fused GELU returns 0 there,
+    2.13's the spelled value), an error of ``|x| / 2`` times a rounding of 1."""
     mine, ref = _pair(act.NewGELU)
     assert mine._forward_method.func is ew.new_gelu_forward
     x = (torch.linspace(-8, 8, 40001)).to(dtype)
     got, want = mine(x), ref.forward_native(x)
     assert got.dtype == want.dtype
-    assert ulps(got, want, want.abs() + x.abs() * torch.finfo(dtype).eps) <= bound
+    assert ulps(got, want, want.abs() + x.abs() / 2) <= 2

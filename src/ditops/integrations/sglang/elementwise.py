@@ -17,9 +17,11 @@
 * ``GeluAndMul(approximate="tanh")`` and ``NewGELU``: :data:`ditops.gelu_tanh_bias`
   (``F.gelu(x, approximate="tanh")``). ``GeluAndMul`` tanh is bitwise sglang's;
   ``NewGELU`` writes the same function as ``0.5 x (1 + tanh(c (x + 0.044715 x^3)))``
-  in separate roundings, torch's fused tanh GELU is within 2 ulps of it in bf16/fp16
-  (measured in the test) and 4 ulps in fp32. ``GeluAndMul(approximate="none")`` and
-  ``SiluAndMul`` keep sglang's forward: ditops has no op for them.
+  in separate roundings; torch's fused tanh GELU is within 2 ulps of it at the magnitude
+  ``|GELU(x)| + |x| / 2`` (the spelled form's own rounding of ``1 + tanh`` for x << 0,
+  where torch 2.14's fused GELU gives 0), fp32 and bf16 (measured in the test).
+  ``GeluAndMul(approximate="none")`` and ``SiluAndMul`` keep sglang's forward: ditops
+  has no op for them.
 
 A call ditops' op refuses runs sglang's ``forward_native`` with one warning naming why.
 """
