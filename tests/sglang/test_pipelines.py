@@ -83,8 +83,9 @@ SPARSE = ["block_sparse_attn", "sparsity=0.5,skip_first_steps=1,block_size=16"]
 def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
     """Wan 2.1 I2V, Wan 2.2 T2V-A14B (two experts), Wan 2.2 TI2V-5B and HunyuanVideo with
     ditops' ``block_sparse_attn`` from step 1 (stock sglang stops at their first fused norm on a
-    CPU): frames come out, the backend ran with its honest density (the forced first
-    frame made dense is reported once, not per layer), and the text encoders stay dense
+    CPU): frames come out, the backend ran with its honest density (where the forced first
+    frame is more than the density asked, that is said once per block-map shape, not per
+    layer), and the text encoders stay dense
     without a warning per layer."""
     from PIL import Image
 
@@ -110,7 +111,10 @@ def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
         frames = np.load(runs[name][1])
         assert frames.ndim == 4 and frames.shape[0] >= 1 and np.isfinite(frames).all(), name
         assert "Attention backends for transformer: block_sparse_attn" in log, name
-        assert log.count("forced blocks") <= 2, name  # once per DiT (A14B has two), not per layer
+        forced = [
+            line.split("forced blocks")[1] for line in log.splitlines() if "forced blocks" in line
+        ]
+        assert len(forced) == len(set(forced)), name  # once per block-map shape, not per layer
         assert log.count("dense SDPA runs there") <= 2, name  # one line per reason
         ops = bound_ops(log)
         assert {"RMSNorm", "LayerNormScaleShift", "MulAdd"} <= ops, (name, ops)

@@ -187,6 +187,7 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
 def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str, tuple]:
     """Median microseconds per call of sglang's own forward (its platform's where that runs,
     else ``forward_native``) and of ditops', at sizes where Python work dominates."""
+    import torch._dynamo
     from sglang.multimodal_gen.runtime import platforms
     from sglang.multimodal_gen.runtime.layers import layernorm as ln
     from sglang.multimodal_gen.runtime.layers.elementwise import MulAdd
@@ -216,7 +217,9 @@ def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str,
             except (AttributeError, ModuleNotFoundError, RuntimeError):  # sgl_kernel absent
                 own._forward_method = own.forward_native
             times: dict[str, list[float]] = {"own": [], "ours": []}
-            with torch.no_grad():
+            # sglang's forward_native bodies carry torch.compile: eager, as sglang's CPU
+            # platform runs them (dynamo's per-call guard cost is not the op's).
+            with torch.no_grad(), torch._dynamo.config.patch(disable=True):
                 for _ in range(calls):
                     for key, module in (("own", own), ("ours", ours)):
                         start = time.perf_counter()
