@@ -100,29 +100,37 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "ca9bc82ca0de5ada": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FinalLayer.forward": {
-        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), None),
+        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), None,
+            "before per-token (noisy/clean) modulation"),
         "ba75a38896591147": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2AttnProcessor.__call__": {
-        "e6dba65f0e6fa7cd": Seen(_r("0.36.0", "0.39.0"), None),
+        "e6dba65f0e6fa7cd": Seen(_r("0.36.0", "0.39.0"), "0.42",
+            "heads split by count, not head_dim: the same split untensor-parallel"),
         "0740aa4a222d83c2": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2ParallelSelfAttnProcessor.__call__": {
-        "edc8cd199972a85b": Seen(_r("0.36.0", "0.39.0"), None),
+        "edc8cd199972a85b": Seen(_r("0.36.0", "0.39.0"), "0.42",
+            "heads split by count, not head_dim: the same split untensor-parallel"),
         "ea6d4afcbd27187a": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2SingleTransformerBlock.forward": {
-        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), None),
+        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), None,
+            "modulation passed as tuples: another block interface"),
         "4d80d4a09445b850": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2TransformerBlock.forward": {
-        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), None),
+        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), None,
+            "modulation passed as tuples: another block interface"),
         "a35f2a4b302cd526": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FluxAttnProcessor.__call__": {
-        "38011775fd662cb8": Seen(_r("0.35.0", "0.35.2"), None),
-        "d86cc30d4e5d31e0": Seen(_r("0.36.0", "0.36.0"), None),
-        "1011958677784f65": Seen(_r("0.37.0", "0.39.0"), None),
+        "38011775fd662cb8": Seen(_r("0.35.0", "0.35.2"), "0.36",
+            "no context parallelism; to_out on the split views"),
+        "d86cc30d4e5d31e0": Seen(_r("0.36.0", "0.36.0"), "0.36",
+            "to_out on the split views, not contiguous copies"),
+        "1011958677784f65": Seen(_r("0.37.0", "0.39.0"), "0.42",
+            "heads split by count, not head_dim: the same split untensor-parallel"),
         "20faad9ce73da78f": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FluxSingleTransformerBlock.forward": {
@@ -135,7 +143,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "9ff3ded5169bea4c": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "HunyuanVideoAttnProcessor2_0.__call__": {
-        "1d91bcbfb9c240fc": Seen(_r("0.35.0", "0.35.2"), None),
+        "1d91bcbfb9c240fc": Seen(_r("0.35.0", "0.35.2"), "0.42",
+            "SDPA called on [B, H, S, D] directly: the same attention"),
         "09d6f2527eec783f": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "HunyuanVideoSingleTransformerBlock.forward": {
@@ -166,12 +175,15 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "84452895ed48c826": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTX2AudioVideoAttnProcessor.__call__": {
-        "847fb6847e02e1ed": Seen(_r("0.37.0", "0.37.1"), None),
+        "847fb6847e02e1ed": Seen(_r("0.37.0", "0.37.1"), None,
+            "before the audio-video attention of 0.38"),
         "bda9ff13e2414c0d": Seen(_r("0.38.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTX2VideoTransformerBlock.forward": {
-        "d7bb1a16fbf25240": Seen(_r("0.37.0", "0.37.1"), None),
-        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), None),
+        "d7bb1a16fbf25240": Seen(_r("0.37.0", "0.37.1"), None,
+            "before prompt adaLN and KV-cacheable cross-attention"),
+        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), None,
+            "prompt adaLN always on (no static-table path)"),
         "478c7be6edc9a87b": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTX2VideoTransformerBlock.get_mod_params": {
@@ -181,11 +193,13 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "9059db8119a3b1cc": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTXVideoAttnProcessor.__call__": {
-        "0c8b5201b6a21ce3": Seen(_r("0.35.0", "0.35.2"), None),
+        "0c8b5201b6a21ce3": Seen(_r("0.35.0", "0.35.2"), "0.42",
+            "no context parallelism in 0.35: dispatch without parallel_config"),
         "09e975bcb8e3867f": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTXVideoTransformerBlock.forward": {
-        "d511f7c9e6bdf5c8": Seen(_r("0.35.0", "0.35.1"), None),
+        "d511f7c9e6bdf5c8": Seen(_r("0.35.0", "0.35.1"), "0.42",
+            "scale_shift_table not moved to temb's device: same on one device"),
         "2c641b9b3d6dda86": Seen(_r("0.35.2", "0.42.1") + (MAIN,), "0.42"),
     },
     "MochiAttnProcessor2_0.__call__": {
@@ -207,19 +221,19 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "353f59492792a3fb": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "QwenDoubleStreamAttnProcessor2_0.__call__": {
-        "4b945b18ed36654b": Seen(_r("0.35.0", "0.35.2"), None),
-        "ae92e49854e506dd": Seen(_r("0.36.0", "0.36.0"), None),
-        "e9cfc2f8c1889e63": Seen(_r("0.37.0", "0.38.0"), None),
-        "42d13a508cb5b267": Seen(_r("0.39.0", "0.39.0"), None),
-        "8f3ad066164b778b": Seen(_r("0.40.0", "0.41.0") + (MAIN,), None),
+        "4b945b18ed36654b": Seen(_r("0.35.0", "0.35.2"), None, "not analysed: refused"),
+        "ae92e49854e506dd": Seen(_r("0.36.0", "0.36.0"), None, "not analysed: refused"),
+        "e9cfc2f8c1889e63": Seen(_r("0.37.0", "0.38.0"), None, "not analysed: refused"),
+        "42d13a508cb5b267": Seen(_r("0.39.0", "0.39.0"), None, "not analysed: refused"),
+        "8f3ad066164b778b": Seen(_r("0.40.0", "0.41.0") + (MAIN,), None, "not analysed: refused"),
         "dccfcb67a396179e": Seen(_r("0.42.0", "0.42.1"), "0.42"),
     },
     "QwenImageTransformerBlock._modulate": {
-        "4b56fa6be47175d7": Seen(_r("0.35.0", "0.36.0"), None),
+        "4b56fa6be47175d7": Seen(_r("0.35.0", "0.36.0"), None, "not analysed: refused"),
         "c3335a4657aaf912": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "QwenImageTransformerBlock.forward": {
-        "c8a8ce8b18410de3": Seen(_r("0.35.0", "0.36.0"), None),
+        "c8a8ce8b18410de3": Seen(_r("0.35.0", "0.36.0"), None, "not analysed: refused"),
         "0f27194aff1229e4": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "RMSNorm.forward": {
@@ -230,11 +244,13 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "fcd91df4fd44dcd3": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "SkyReelsV2TransformerBlock.forward": {
-        "a8b4e4e948b5cc3a": Seen(_r("0.35.0", "0.35.2"), None),
+        "a8b4e4e948b5cc3a": Seen(_r("0.35.0", "0.35.2"), "0.42",
+            "attention called by keyword: the same call"),
         "2752c9f6bdaf2edb": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "WanAttnProcessor.__call__": {
-        "a6792da55d366c35": Seen(_r("0.35.0", "0.35.2"), None),
+        "a6792da55d366c35": Seen(_r("0.35.0", "0.35.2"), "0.42",
+            "no context parallelism in 0.35: dispatch without parallel_config"),
         "0ed7f62085c8a482": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
         "fdddaece8af34468": Seen(_r("0.36.0", "0.42.1") + (MAIN,), "0.42"),
     },
@@ -242,11 +258,13 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "36ca5bffefbb01ae": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "WanVACETransformerBlock.forward": {
-        "9b54a2503fd5e4b5": Seen(_r("0.35.0", "0.35.1"), None),
+        "9b54a2503fd5e4b5": Seen(_r("0.35.0", "0.35.1"), "0.42",
+            "scale_shift_table not moved to temb's device: same on one device"),
         "5fe6b78622d11d61": Seen(_r("0.35.2", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZImageTransformerBlock.forward": {
-        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), None),
+        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), None,
+            "before per-token (noisy/clean) modulation"),
         "48c974cc2ee59378": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZSingleStreamAttnProcessor.__call__": {

@@ -33,6 +33,7 @@ family selects its code by, or None: refused).
 from __future__ import annotations
 
 import ast
+import functools
 import hashlib
 import inspect
 import textwrap
@@ -244,6 +245,14 @@ def arithmetic(relied: Relied) -> dict[str, str]:
         if seen is not None:
             out[label] = seen.arithmetic  # type: ignore[assignment]
     return out
+
+
+@functools.lru_cache(maxsize=256)
+def arithmetic_of(fn: Callable[..., Any], label: str) -> str | None:
+    """The release whose arithmetic ``fn`` (checked under ``label``) was matched to, or
+    None: what a fused twin with variants asks at call time (cached per function)."""
+    seen = match(fn, KNOWN[label])
+    return None if seen is None else seen.arithmetic
 
 
 def _version() -> str:
