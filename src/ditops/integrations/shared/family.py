@@ -331,7 +331,8 @@ class DeclaredFamily:
                 return []
         problems = []
         call = type(proc).__call__
-        why = differs(f"{where}.processor {type(proc).__qualname__}.__call__", call, spec.known)
+        label = f"{where}.processor {type(proc).__qualname__}.__call__"
+        why = differs(label, call, spec.known, name_release=False)
         if why:
             problems.append(why)
         else:

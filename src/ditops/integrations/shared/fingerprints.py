@@ -218,16 +218,19 @@ def accepted(table: Mapping[str, Seen]) -> str:
     return f"diffusers {span(runs)}" if runs else "none"
 
 
-def differs(label: str, fn: Callable[..., Any], table: Mapping[str, Seen]) -> str | None:
+def differs(
+    label: str, fn: Callable[..., Any], table: Mapping[str, Seen], name_release: bool = True
+) -> str | None:
     """Why ``fn`` (``label``) is refused, or None when its arithmetic is one ditops runs."""
     fp = fingerprint(fn)
     seen = table.get(fp)
     if seen is not None and seen.arithmetic is not None:
         return None
     why = f" ({seen}: {seen.note})" if seen is not None and seen.note else ""
+    of = f" of diffusers {_version()}" if name_release else ""
     return (
-        f"{label} of diffusers {_version()} (fingerprint {fp}) differs from the versions "
-        f"ditops knows ({accepted(table)}){why}"
+        f"{label}{of} (fingerprint {fp}) differs from the versions ditops knows "
+        f"({accepted(table)}){why}"
     )
 
 
