@@ -14,7 +14,9 @@ from ditops.integrations.shared.fingerprint_table import KNOWN, MAIN, MAIN_VERSI
 
 
 def _labels_of(table: object) -> list[str]:
-    return [label for label, known in KNOWN.items() if known is table or (
+    """The labels whose table ``table`` is (or merges: FLUX.2's two processors)."""
+    same = [label for label, known in KNOWN.items() if known is table]
+    return same or [label for label, known in KNOWN.items() if (
         isinstance(table, dict) and known and set(known) <= set(table))]  # fmt: skip
 
 
@@ -24,6 +26,9 @@ def labels(family: DeclaredFamily) -> list[str]:
     spec = family.spec
     tables = [k.known for b in spec.blocks for k in b.kinds]
     tables += [fn_table[1] for fn_table in spec.relied_on().values()]
+    if spec.attention is not None and spec.attention.relied is not None:
+        for ours in spec.attention.processors.values():
+            tables += [fn_table[1] for fn_table in spec.attention.relied(ours).values()]
     out = dict.fromkeys(label for table in tables for label in _labels_of(table))
     return list(out) + [p for p in _processors(family) if p not in out]
 
