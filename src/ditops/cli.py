@@ -44,6 +44,9 @@ def _info(args: argparse.Namespace) -> int:
     from ditops.core import tune_report
 
     payload["tuning"], tuning_lines = tune_report.report(cfg)
+    from ditops.integrations.release_table import diffusers_report
+
+    payload["diffusers"] = diffusers_report()
     if args.json:
         print(json.dumps(payload, indent=2, default=str))
         return 0
@@ -52,6 +55,7 @@ def _info(args: argparse.Namespace) -> int:
     seen = ", ".join(f"{k}: {v}" for k, v in plat["visible_devices"].items())
     print(f"visible devices: {seen}")
     print("config: " + ", ".join(f"{k}={v}" for k, v in payload["config"].items()))
+    print(payload["diffusers"]["line"])
     print(f"precision explained: {payload['precision']}\n")
     for line in table(decisions, DEVICE_KINDS):
         print(line)
