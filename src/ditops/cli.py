@@ -124,10 +124,29 @@ def _bench(args: argparse.Namespace) -> int:
         return 2
     if args.parallel:
         return _bench_parallel(args)
+    if args.quick:
+        return _bench_quick(args)
     from ditops.bench.load import busy_neighbour
 
     with busy_neighbour(args.busy):
         return _bench_suites(args)
+
+
+def _bench_quick(args: argparse.Namespace) -> int:
+    """``--quick``: the tiny offline pipelines of :mod:`ditops.bench.quick` (under a minute)."""
+    from ditops.bench import quick, tiny
+
+    try:
+        tiny.require("diffusers", "transformers")
+    except tiny.MissingPackage as exc:
+        print(f"ditops bench --quick: {exc}", file=sys.stderr)
+        return 2
+    result = quick.run()
+    if args.json:
+        from ditops.bench.harness import write_json
+
+        write_json(args.json, result)
+    return 0 if result["bitwise"]["bitwise_equal"] else 1
 
 
 def _bench_suites(args: argparse.Namespace) -> int:
@@ -403,6 +422,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run with a busy neighbour: a process spinning on one core for the whole run",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first success in under a minute, offline: a tiny pipeline patched (frames "
+        "bitwise equal in exact precision), sparse steps' density and speedup, what next",
+    )
     bench.add_argument(
         "--malloc",
         choices=("both", "current"),
