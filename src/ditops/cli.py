@@ -1,6 +1,6 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
-ditops info [--json] [--verbose] [--precision fast|exact]
+ditops info [--json] [--verbose] [--tuned] [--precision fast|exact]
 ditops tune [wan] [--size small|full] [--precision exact|fast|both] [--dtype ...] [--model PATH]
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
              [--json PATH] [--no-progress] [--malloc both|current] [--busy]
@@ -10,7 +10,6 @@ torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -22,67 +21,12 @@ from ditops import config
 from ditops._version import __version__
 from ditops.bench.suite import glibc, run_in_other_malloc_state
 from ditops.core.checks import positive_seconds
-from ditops.core.explain import explain, table
-from ditops.platform import DEVICE_KINDS, platform_summary
 
 
 def _info(args: argparse.Namespace) -> int:
-    decisions = explain(precision=args.precision)
-    cfg = config.get()
-    payload: dict[str, Any] = {
-        "platform": platform_summary(),
-        "config": {
-            "DITOPS_CUSTOM_OPS": cfg.custom_ops.text,
-            "DITOPS_STRICT": cfg.strict,
-            "DITOPS_PRECISION": cfg.precision,
-            "DITOPS_TUNE": cfg.tune,
-        },
-        "precision": args.precision or cfg.precision,
-        "ops": [d.as_dict() for d in decisions],
-    }
-    from ditops.core import tune
+    from ditops import info
 
-    payload["tuning"], tuning_lines = tune.report(cfg)
-    if args.json:
-        print(json.dumps(payload, indent=2, default=str))
-        return 0
-    plat = payload["platform"]
-    print(f"torch {plat['torch']}  (cuda {plat['cuda_runtime']}, hip {plat['hip_runtime']})")
-    seen = ", ".join(f"{k}: {v}" for k, v in plat["visible_devices"].items())
-    print(f"visible devices: {seen}")
-    print("config: " + ", ".join(f"{k}={v}" for k, v in payload["config"].items()))
-    print(f"precision explained: {payload['precision']}\n")
-    for line in table(decisions, DEVICE_KINDS):
-        print(line)
-    print(
-        "\nA cell names the path each op takes for tensors of that device kind (one Triton path"
-        "\nserves cuda, hip and xpu); native: the meaning, no fast path exists; native*: a fast"
-        "\npath exists but cannot run here, for the reasons below; a/b: a for the calls it"
-        "\ntakes (dtype, shape: --verbose says which), b for the others."
-    )
-    # One line per (device kind, reasons): ops sharing a backend share its reasons.
-    why: dict[tuple[str, str], list[str]] = {}
-    for d in decisions:
-        for c in d.candidates:
-            if c.reasons and c.accepts:
-                why.setdefault((d.device_kind, "; ".join(c.reasons)), []).append(f"{d.op}.{c.path}")
-    if why:
-        print("\nnot used:")
-    for (kind, reasons), paths in why.items():
-        absent = "" if plat["visible_devices"].get(kind) else ", no such device here"
-        print(f"  {kind}{absent}: {', '.join(paths)}:\n      {reasons}")
-    if args.verbose:
-        print("\nwhat each fast path takes (per-call conditions):")
-        done: set[tuple[str, str]] = set()
-        for d in decisions:
-            for c in d.candidates:
-                if c.accepts and (d.op, c.path) not in done:
-                    done.add((d.op, c.path))
-                    print(f"  {d.op}.{c.path}: {c.accepts}")
-    else:
-        print("\n--verbose: also what each fast path takes (dtypes, precision, backend).")
-    print("\n" + "\n".join(tuning_lines))
-    return 0
+    return info.run(args)
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -354,6 +298,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=config.PRECISIONS,
         default=None,
         help="explain for this precision (default: DITOPS_PRECISION)",
+    )
+    info.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also every tuned shape class (op, device kind, precision, dtypes, dims rounded "
+        "to powers of two), its winner and the times that chose it",
     )
     tune_p = sub.add_parser("tune", help="time a model's shape classes ahead (DITOPS_TUNE)")
     tune_p.add_argument("model_name", nargs="?", choices=("wan",), default="wan")
