@@ -274,6 +274,13 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     return result
 
 
+#: ``ditops --help``'s opening (plain text: argparse prints it as written).
+DESCRIPTION = (
+    "Fast, portable operators for diffusion-transformer inference. info: which path each op "
+    "takes on this machine, and why; bench: measure (bench --quick: a first run in under a "
+    "minute); tune: time a model's paths ahead."
+)
+
 #: The wan suite's plot when --plot is not given.
 WAN_PLOT = "ditops-bench-wan.png"
 
@@ -285,7 +292,7 @@ def _default_device() -> torch.device:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditops", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="ditops", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ditops {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="explain which path every op takes on every device kind")
