@@ -41,30 +41,33 @@ def _bitwise(row: dict[str, Any]) -> str:
     return "bitwise" if row.get("bitwise_equal") else "NOT bitwise"
 
 
+def _cells(
+    exact: dict[str, Any], sparse: dict[str, Any], key: str, per: str, psnr: str
+) -> tuple[str, str, float, float]:
+    """The exact and sparse cells of a row, from two variants' summaries."""
+    ex, sp = exact[key], sparse[per]
+    return (
+        f"{ex:.2f}x per forward, {_bitwise(exact)}",
+        f"{sp:.2f}x per {'sparse step' if per == 'speedup_sparse_steps' else 'forward'} "
+        f"(attention {sparse['attention_speedup']:.2f}x), PSNR {sparse[psnr]:.0f} dB",
+        ex,
+        sp,
+    )
+
+
 def _wan(data: dict[str, Any]) -> tuple[str, str, float, float]:
     rows = _by_variant(data["wan"]["summary"])
-    ex, sp = rows["norms exact"], rows["sparse 0.75"]
-    return (
-        f"{ex['speedup_per_forward']:.2f}x per forward, {_bitwise(ex)}",
-        f"{sp['speedup_sparse_steps']:.2f}x per sparse step (attention "
-        f"{sp['attention_speedup']:.2f}x), PSNR {sp['min_psnr']:.0f} dB",
-        ex["speedup_per_forward"],
-        sp["speedup_sparse_steps"],
-    )
+    return _cells(
+        rows["norms exact"], rows["sparse 0.75"], "speedup_per_forward",
+        "speedup_sparse_steps", "min_psnr",
+    )  # fmt: skip
 
 
 def _video(key: str, layout: str | None = None) -> Callable[..., tuple[str, str, float, float]]:
     def read(data: dict[str, Any]) -> tuple[str, str, float, float]:
         run = data[key] if layout is None else data[key][layout]
         rows = _by_variant(run["summary"])
-        ex, sp = rows["exact"], rows["sparse 0.75"]
-        return (
-            f"{ex['speedup']:.2f}x per forward, {_bitwise(ex)}",
-            f"{sp['speedup']:.2f}x per forward (attention {sp['attention_speedup']:.2f}x), "
-            f"PSNR {sp['psnr_db']:.0f} dB",
-            ex["speedup"],
-            sp["speedup"],
-        )
+        return _cells(rows["exact"], rows["sparse 0.75"], "speedup", "speedup", "psnr_db")
 
     return read
 
