@@ -66,10 +66,10 @@ def _bench(args: argparse.Namespace) -> int:
     if problem:  # before any benchmark runs: minutes of work never end in a traceback
         print(f"ditops bench: {problem}", file=sys.stderr)
         return 2
-    if args.parallel:
-        return _bench_parallel(args)
     if args.quick:
         return _bench_quick(args)
+    if args.parallel:
+        return _bench_parallel(args)
     from ditops.bench.load import busy_neighbour
 
     with busy_neighbour(args.busy):
@@ -80,6 +80,12 @@ def _bench_quick(args: argparse.Namespace) -> int:
     """``--quick``: the tiny offline pipelines of :mod:`ditops.bench.quick` (under a minute)."""
     from ditops.bench import quick, tiny
 
+    other = [f for f, on in (("SUITE", args.suites), ("--model", args.model),
+                             ("--parallel", args.parallel)) if on]  # fmt: skip
+    if other:  # never silently ignored
+        print(f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
     try:
         tiny.require("diffusers", "transformers")
     except tiny.MissingPackage as exc:

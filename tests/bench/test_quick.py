@@ -45,3 +45,10 @@ def test_quick_mode_without_transformers_says_what_to_install(
     )
     assert cli.main(["bench", "--quick"]) == 2
     assert "pip install 'ditops[pipelines]'" in capsys.readouterr().err
+
+
+def test_quick_mode_refuses_what_it_would_ignore(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli.main(["bench", "--quick", "flux"]) == 2
+    assert "drop SUITE" in capsys.readouterr().err
+    assert cli.main(["bench", "--quick", "--model", "/nowhere"]) == 2
+    assert cli.main(["bench", "--quick", "--parallel", "ulysses"]) == 2
