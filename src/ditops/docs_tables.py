@@ -205,21 +205,21 @@ def _device_paths() -> str:
     return ", ".join(f"`forward_{k}`" for k in kinds)
 
 
-def snippets() -> dict[str, str]:
+def snippets(root: Path = docs_figures.ROOT) -> dict[str, str]:
     """NAME -> the text that stands between its markers on every page."""
     return {
         "models": _names(sparse_only=False),
         "sparse-models": _names(sparse_only=True),
         "device-paths": _device_paths(),
-        "figures": docs_figures.table(link="benchmarks/README.md"),
-        "results": docs_figures.table(link="results.md") + "\n![Speedups, from the table "
+        "figures": docs_figures.table(root, link="benchmarks/README.md"),
+        "results": docs_figures.table(root, link="results.md") + "\n![Speedups, from the table "
         "above](assets/results.svg)\n",
     }
 
 
-def with_snippets(text: str) -> str:
-    """``text`` with every snippet's markers refilled."""
-    for name, body in snippets().items():
+def with_snippets(text: str, root: Path = docs_figures.ROOT) -> str:
+    """``text`` with every snippet's markers refilled (figures from ``root``'s benchmarks)."""
+    for name, body in snippets(root).items():
         inner = f"\n{body}" if name in BLOCK_SNIPPETS else body
         text = re.sub(
             rf"(<!-- {name}:begin -->).*?(<!-- {name}:end -->)",
@@ -258,7 +258,7 @@ def write(root: Path) -> list[str]:
     changed = []
     wanted = {f"docs/{k}": v for k, v in generated().items()}
     for page in pages(root):
-        text = with_snippets(page.read_text())
+        text = with_snippets(page.read_text(), root)
         if page.name == "README.md" and README_BEGIN in text:
             text = readme_with_families(text)
         wanted[page.relative_to(root).as_posix()] = text
