@@ -163,7 +163,7 @@ def test_the_plot_is_current() -> None:
 
 def test_the_front_pages_list_models_and_figures_from_the_code() -> None:
     readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
-    for name in ("models", "figures"):
+    for name in ("models", "figures", "sparse-devices"):
         assert f"<!-- {name}:begin -->" in readme
     for name in ("models", "device-paths", "results"):
         assert f"<!-- {name}:begin -->" in index

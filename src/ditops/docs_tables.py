@@ -205,12 +205,20 @@ def _device_paths() -> str:
     return ", ".join(f"`forward_{k}`" for k in kinds)
 
 
+def _sparse_devices() -> str:
+    """The device kinds block-sparse attention declares paths for."""
+    cls = shipped_ops()["block_sparse_attention"]
+    kinds = [k for k in DEVICE_KINDS if cls._by_kind.get(k)]
+    return ", ".join(kinds[:-1]) + " and " + kinds[-1]
+
+
 def snippets(root: Path = docs_figures.ROOT) -> dict[str, str]:
     """NAME -> the text that stands between its markers on every page."""
     return {
         "models": _names(sparse_only=False),
         "sparse-models": _names(sparse_only=True),
         "device-paths": _device_paths(),
+        "sparse-devices": _sparse_devices(),
         "figures": docs_figures.table(root, link="benchmarks/README.md"),
         "results": docs_figures.table(root, link="results.md") + "\n![Speedups, from the table "
         "above](assets/results.svg)\n",
