@@ -90,3 +90,23 @@ def test_script_runs_under_torchrun(where: str, code: str, tmp_path: Path) -> No
     cmd += [procs, str(script)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, f"{where} under torchrun:\n{done.stdout}\n{done.stderr[-4000:]}"
+
+
+def test_the_extra_the_docs_name_installs_what_the_examples_import() -> None:
+    """``pip install -e '.[pipelines]'`` (named by the README and Getting started) brings
+    every package the runnable blocks import beyond torch and ditops."""
+    line = re.search(r"^pipelines = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), re.M)
+    assert line, "pyproject.toml has no 'pipelines' extra"
+    wanted = {re.split(r"[<>=!~ ;\[]", r.strip(' "'))[0] for r in line.group(1).split(",")}
+    imported = set()
+    for _, code in RUN:
+        for node in ast.walk(ast.parse(code)):
+            if isinstance(node, ast.Import):
+                imported |= {a.name.split(".")[0] for a in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.module:
+                imported.add(node.module.split(".")[0])
+    outside = imported - {"torch", "ditops", "os", "sys"} - wanted
+    assert not outside, f"the blocks import {outside}: add them to the pipelines extra"
+    assert "transformers" in wanted  # diffusers' pipelines load their text encoders with it
+    for page in ("README.md", "docs/getting-started.md"):
+        assert "'.[pipelines]'" in (ROOT / page).read_text(), page
