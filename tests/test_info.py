@@ -3,6 +3,7 @@ accelerators, the op table, one line about tuned choices (``--tuned``: each, rea
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import replace
@@ -27,14 +28,15 @@ def filled_cache(tmp_path: Path) -> Iterator[Path]:
     config._local.override = replace(config.get(), tune="on", cache_dir=str(tmp_path))
     try:
         with torch.inference_mode():
-            for n in range(3, 13):  # 10 widths x 2 dtypes x 3 ops x 2 precisions
-                for dtype in (torch.float32, torch.bfloat16):
-                    x = torch.randn(2, 2**n, dtype=dtype)
-                    for precision in ("fast", "exact"):
-                        with ditops.override(precision=precision):
-                            ditops.rms_norm(x, None, 1e-6)
-                            ditops.gated_residual(x, x, torch.ones(2**n))
-                            ditops.layer_norm_scale_shift(x, None, None, 0.5, 0.1, 1e-6)
+            # 10 widths x 2 row counts x 2 dtypes x 2 precisions, 3 ops each
+            shapes = itertools.product(range(3, 13), (2, 64), (torch.float32, torch.bfloat16))
+            for n, rows, dtype in shapes:
+                x = torch.randn(rows, 2**n, dtype=dtype)
+                for precision in ("fast", "exact"):
+                    with ditops.override(precision=precision):
+                        ditops.rms_norm(x, None, 1e-6)
+                        ditops.gated_residual(x, x, torch.ones(2**n))
+                        ditops.layer_norm_scale_shift(x, None, None, 0.5, 0.1, 1e-6)
         yield tmp_path
     finally:
         config._local.override = saved

@@ -19,7 +19,7 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
-from ditops.core import tune
+from ditops.core import tune, tune_report
 from ditops.core.explain import explain, table
 from ditops.platform import DEVICE_KINDS, platform_summary
 
@@ -158,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision or cfg.precision,
         "ops": [d.as_dict() for d in decisions],
     }
-    tuning, _ = tune.report(cfg)
+    tuning, _ = tune_report.report(cfg)
     summary = tuned_summary(tuning)
     payload["tuning"] = {k: v for k, v in tuning.items() if k != "choices"}
     payload["tuning"]["summary"] = summary[0]
