@@ -158,6 +158,9 @@ def run(args: argparse.Namespace) -> int:
         "precision": args.precision or cfg.precision,
         "ops": [d.as_dict() for d in decisions],
     }
+    from ditops.integrations.release_table import diffusers_report
+
+    payload["diffusers"] = diffusers_report()  # the installed release against the tested ones
     tuning, _ = tune_report.report(cfg)
     summary = tuned_summary(tuning)
     payload["tuning"] = {k: v for k, v in tuning.items() if k != "choices"}
@@ -169,6 +172,7 @@ def run(args: argparse.Namespace) -> int:
         return 0
     for line in header(payload):
         print(line)
+    print(payload["diffusers"]["line"])
     print(f"precision explained: {payload['precision']}\n")
     for line in table(decisions, DEVICE_KINDS):
         print(line)

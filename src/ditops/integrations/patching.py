@@ -42,7 +42,7 @@ from ditops.integrations.shared.base import (
     PatchOptions,
     PatchRecord,
 )
-from ditops.integrations.shared.family import DeclaredFamily
+from ditops.integrations.shared.family import ARITHMETIC, DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily, has_swappable_norms
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
@@ -279,7 +279,9 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
     """Where each patched model runs fused now, and where not and why.
 
     Asked now, not when patched: hooks, offloading and modules set since count. Returns
-    ``{model: {place: "fused" | reason}}`` (places as in ``named_modules``).
+    ``{model: {place: "fused" | reason}}`` (places as in ``named_modules``), and under the
+    place ``""`` (the model itself) the diffusers installed and whose arithmetic each
+    relied-on function was matched to (``"diffusers 0.42.1: arithmetic of 0.42"``).
     """
     out: dict[str, dict[str, str]] = {}
     for name, model in _models_of(target).items():
@@ -290,8 +292,25 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
         places = {place: why for place, why in record.unfused.items()}
         for place, (module, bypass) in record.targets.items():
             places[place] = bypass.problem(module) or "fused"
+        matched = vars(model).get(ARITHMETIC)
+        if matched:
+            places[""] = _arithmetic_line(matched)
         out[name] = dict(sorted(places.items()))
     return out
+
+
+def _arithmetic_line(matched: dict[str, str]) -> str:
+    """``"diffusers 0.42.1: arithmetic of 0.42"`` (each variant with its functions when
+    more than one was matched)."""
+    import diffusers
+
+    by: dict[str, list[str]] = {}
+    for label, release in matched.items():
+        by.setdefault(release, []).append(label)
+    if len(by) == 1:
+        return f"diffusers {diffusers.__version__}: arithmetic of {next(iter(by))}"
+    parts = "; ".join(f"of {r} for {', '.join(labels)}" for r, labels in sorted(by.items()))
+    return f"diffusers {diffusers.__version__}: arithmetic {parts}"
 
 
 def sparse_densities(target: Any) -> dict[str, dict[str, MaskDensity | None]]:
