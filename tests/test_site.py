@@ -114,10 +114,12 @@ def test_the_home_page_shows_the_results_and_the_api_page_patch_defaults(site: P
     assert "UNSET" not in api
 
 
-#: Marks what overflows its box, after the page's own scripts ran.
+#: Marks what overflows its box, after the page's own scripts ran: code blocks and the
+#: page's content column. A table wider than the column scrolls inside its own wrapper,
+#: by the theme's design (a release x family matrix cannot fit), so tables are not asked.
 PROBE = r"""<script>window.addEventListener('load', () => {
   const out = [];
-  document.querySelectorAll('pre > code, .md-typeset__scrollwrap, .md-content').forEach(e => {
+  document.querySelectorAll('pre > code, .md-content').forEach(e => {
     if (e.scrollWidth > e.clientWidth + 1)
       out.push(e.tagName + ' ' + e.scrollWidth + '>' + e.clientWidth + ' after #'
                + ((e.closest('.doc') || e).querySelector('[id]') || {id: '?'}).id + ': '
