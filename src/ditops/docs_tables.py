@@ -12,7 +12,11 @@ Not part of the public API. ``python -m ditops.docs_tables`` (from the repositor
 * ``docs/generated/knobs.md``: the environment knobs, from the table in
   :mod:`ditops.config`'s docstring (a ``DITOPS_*`` name read there but missing from the
   table is an error);
-* the families table of ``README.md``, between its ``families:begin``/``end`` markers.
+* the families table of ``README.md``, between its ``families:begin``/``end`` markers;
+* in ``README.md`` and every page under ``docs/``, what stands between
+  ``<!-- NAME:begin -->`` and ``<!-- NAME:end -->`` for each NAME of :func:`snippets`: the
+  lists of models (all, and those with sparse attention) and device kinds, and the headline
+  figures from ``benchmarks/`` (:mod:`ditops.docs_figures`), with ``docs/assets/results.svg``.
 
 ``tests/test_docs.py`` fails when a committed file differs from what this writes now.
 The output depends on the declarations only, never on the machine (no backend is probed).
@@ -27,7 +31,7 @@ import sys
 from pathlib import Path
 
 import ditops
-from ditops import config
+from ditops import config, docs_figures
 from ditops.core.paths import PathSpec
 from ditops.core.registry import registered_ops
 from ditops.integrations.patching import FAMILIES
@@ -164,6 +168,84 @@ def knobs_table() -> str:
     return HEADER + "\n".join(lines) + "\n"
 
 
+#: How people name the models each family serves (the pages' lists of models); a test
+#: checks the keys are the declared families, generic aside.
+MODEL_NAMES = {
+    "wan": "Wan2.1/2.2 and the models built of its blocks (VACE, SkyReels-V2, ChronoEdit, "
+    "Wan-Animate)",
+    "flux": "FLUX.1",
+    "flux2": "FLUX.2",
+    "mochi": "Mochi",
+    "hunyuan_video": "HunyuanVideo",
+    "hunyuan_video15": "HunyuanVideo-1.5",
+    "hunyuan_video_framepack": "FramePack (HunyuanVideo's blocks)",
+    "ltx_video": "LTX-Video",
+    "ltx2": "LTX-2",
+    "sd3": "Stable Diffusion 3/3.5",
+    "chroma": "Chroma",
+    "qwen_image": "Qwen-Image",
+    "z_image": "Z-Image",
+    "cogvideox": "CogVideoX",
+}
+#: Snippets that are whole blocks (a table): a line of their own between the markers.
+BLOCK_SNIPPETS = ("figures", "results")
+SVG = "docs/assets/results.svg"
+
+
+def _names(sparse_only: bool) -> str:
+    names = [
+        MODEL_NAMES[f.name]
+        for f in FAMILIES
+        if f.name != "generic" and (getattr(f, "sparse_attention", False) or not sparse_only)
+    ]
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def _device_paths() -> str:
+    """``forward_<kind>`` of every device kind some shipped op has a path for."""
+    ops = shipped_ops().values()
+    kinds = [k for k in DEVICE_KINDS if any(cls._by_kind.get(k) for cls in ops)]
+    return ", ".join(f"`forward_{k}`" for k in kinds)
+
+
+def _sparse_devices() -> str:
+    """The device kinds block-sparse attention declares paths for."""
+    cls = shipped_ops()["block_sparse_attention"]
+    kinds = [k for k in DEVICE_KINDS if cls._by_kind.get(k)]
+    return ", ".join(kinds[:-1]) + " and " + kinds[-1]
+
+
+def snippets(root: Path = docs_figures.ROOT) -> dict[str, str]:
+    """NAME -> the text that stands between its markers on every page."""
+    return {
+        "models": _names(sparse_only=False),
+        "sparse-models": _names(sparse_only=True),
+        "device-paths": _device_paths(),
+        "sparse-devices": _sparse_devices(),
+        "figures": docs_figures.table(root, link="benchmarks/README.md"),
+        "results": docs_figures.table(root, link="results.md") + "\n![Speedups, from the table "
+        "above](assets/results.svg)\n",
+    }
+
+
+def with_snippets(text: str, root: Path = docs_figures.ROOT) -> str:
+    """``text`` with every snippet's markers refilled (figures from ``root``'s benchmarks)."""
+    for name, body in snippets(root).items():
+        inner = f"\n{body}" if name in BLOCK_SNIPPETS else body
+        text = re.sub(
+            rf"(<!-- {name}:begin -->).*?(<!-- {name}:end -->)",
+            lambda m, inner=inner: m.group(1) + inner + m.group(2),
+            text,
+            flags=re.S,
+        )
+    return text
+
+
+def pages(root: Path) -> list[Path]:
+    """The pages snippets are filled in: the README and the docs' own pages."""
+    return [root / "README.md", *sorted((root / "docs").glob("*.md"))]
+
+
 def generated() -> dict[str, str]:
     """The generated files, by path under ``docs/``."""
     return {
@@ -187,9 +269,12 @@ def write(root: Path) -> list[str]:
     """Rewrite every generated file under ``root``; returns the paths that changed."""
     changed = []
     wanted = {f"docs/{k}": v for k, v in generated().items()}
-    readme = (root / "README.md").read_text()
-    if README_BEGIN in readme:
-        wanted["README.md"] = readme_with_families(readme)
+    for page in pages(root):
+        text = with_snippets(page.read_text(), root)
+        if page.name == "README.md" and README_BEGIN in text:
+            text = readme_with_families(text)
+        wanted[page.relative_to(root).as_posix()] = text
+    wanted[SVG] = docs_figures.svg(root)
     for rel, text in wanted.items():
         target = root / rel
         if not target.exists() or target.read_text() != text:

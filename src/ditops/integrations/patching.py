@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, FLUX.2,
-Mochi, HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins; the last, the
+generic norm swap, takes any model), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -198,12 +198,14 @@ def patch(
     Args:
         target: a model (``nn.Module``, or ``torch.compile``'s wrapper of one) or a
             pipeline (its ``transformer*`` components).
-        norms: swap norms and, on Wan (and the Wan-derived models), FLUX and
-            HunyuanVideo(-1.5), fuse each block's modulation chain and attention
+        norms: swap norms and, on the families that declare fused blocks (every family
+            but the generic one), fuse each block's modulation chain and attention
             prologue (default True).
         attention: ``None`` (dense attention as it is; the default) or a
-            :class:`ditops.BlockSparseConfig` for the self-attention of Wan (and the
-            Wan-derived models) and HunyuanVideo(-1.5).
+            :class:`ditops.BlockSparseConfig` for the self-attention of the families that
+            declare it (the "sparse self-attention" column of the docs' families table,
+            written from the declarations); the others refuse it, naming the model
+            classes that take it.
         precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION`` per
             call; the default).
 
