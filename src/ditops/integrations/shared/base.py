@@ -1,5 +1,5 @@
-"""What every model family checks with and is: the fingerprints of the diffusers code a
-family relies on, and the :class:`ModelFamily` protocol.
+"""What every model family is: the :class:`ModelFamily` protocol (the fingerprints of the
+diffusers code a family relies on are in :mod:`~ditops.integrations.shared.fingerprints`).
 
 A family's patch is made of the pieces beside this module: what was asked
 (:mod:`~ditops.integrations.shared.options`), the record of every change, to undo it
@@ -11,9 +11,6 @@ A family's patch is made of the pieces beside this module: what was asked
 
 from __future__ import annotations
 
-import hashlib
-import inspect
-from collections.abc import Callable
 from typing import Any, Protocol
 
 from torch import nn
@@ -22,36 +19,6 @@ from ditops.integrations.shared.options import PatchOptions
 from ditops.integrations.shared.undo import PatchRecord
 
 # --- model families ---------------------------------------------------------------------------
-
-
-def fingerprint(fn: Any) -> str:
-    """sha256 (first 16 hex digits) of the stripped, non-empty source lines of ``fn``:
-    what a family compares against the diffusers versions it was written for."""
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return "unavailable"
-    lines = "\n".join(line.strip() for line in src.splitlines() if line.strip())
-    return hashlib.sha256(lines.encode()).hexdigest()[:16]
-
-
-def fingerprint_problems(
-    relied_on: dict[str, tuple[Callable[..., Any], dict[str, str]]],
-) -> list[str]:
-    """One problem per diffusers function in ``relied_on`` (label -> (function, {known
-    fingerprint: version})) whose source differs from every version a family knows."""
-    import diffusers
-
-    version = getattr(diffusers, "__version__", "?")
-    problems = []
-    for label, (fn, known) in relied_on.items():
-        fp = fingerprint(fn)
-        if fp not in known:
-            problems.append(
-                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
-                f"ditops knows ({', '.join(sorted(set(known.values())))})"
-            )
-    return problems
 
 
 def is_plain_layer_norm(m: object) -> bool:

@@ -79,8 +79,15 @@ class WrappingProcessor:
             dropout_p=0.0,
             is_causal=False,
             backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+            **self._parallel_kwargs(),
         )
+
+    def _parallel_kwargs(self) -> dict[str, Any]:
+        """``parallel_config=`` for ``dispatch_attention_fn`` when there is one: diffusers
+        0.35 has no context parallelism and its ``dispatch_attention_fn`` no such argument
+        (with None, later releases compute the same)."""
+        config = self._parallel_config
+        return {} if config is None else {"parallel_config": config}
 
 
 class DenseProcessor(WrappingProcessor):
