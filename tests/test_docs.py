@@ -189,7 +189,7 @@ def test_every_family_has_a_row_in_what_each_model_gets() -> None:
 def test_no_docstring_or_message_lists_families_by_hand() -> None:
     """``patch``'s docstring points at the declarations instead of naming families, and
     the refusal of sparse attention names exactly the declared classes."""
-    from ditops.integrations.shared.base import SPARSE_MODELS
+    from ditops.integrations.shared.refusals import SPARSE_MODELS
 
     doc = ditops.patch.__doc__ or ""
     named = [n for n in ("Wan", "FLUX", "Hunyuan", "CogVideoX", "LTX", "Mochi") if n in doc]

@@ -204,14 +204,14 @@ def _names(sparse_only: bool) -> str:
 def _device_paths() -> str:
     """``forward_<kind>`` of every device kind some shipped op has a path for."""
     ops = shipped_ops().values()
-    kinds = [k for k in DEVICE_KINDS if any(cls._by_kind.get(k) for cls in ops)]
+    kinds = [k for k in DEVICE_KINDS if any(cls.paths_by_kind.get(k) for cls in ops)]
     return ", ".join(f"`forward_{k}`" for k in kinds)
 
 
 def _sparse_devices() -> str:
     """The device kinds block-sparse attention declares paths for."""
     cls = shipped_ops()["block_sparse_attention"]
-    kinds = [k for k in DEVICE_KINDS if cls._by_kind.get(k)]
+    kinds = [k for k in DEVICE_KINDS if cls.paths_by_kind.get(k)]
     return ", ".join(kinds[:-1]) + " and " + kinds[-1]
 
 
