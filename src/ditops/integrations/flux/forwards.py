@@ -14,7 +14,6 @@ import torch
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
-from ditops.integrations.shared.fingerprints import arithmetic_of
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.processors import DenseProcessor
 
@@ -215,6 +214,7 @@ class FusedFluxAttnProcessor(DenseProcessor):
     """
 
     wraps = ("diffusers.models.transformers.transformer_flux", "FluxAttnProcessor")
+    arithmetic_label = "FluxAttnProcessor.__call__"
 
     def __call__(
         self,
@@ -258,7 +258,7 @@ class FusedFluxAttnProcessor(DenseProcessor):
             ],
             dim=1,
         )
-        if arithmetic_of(type(self.original).__call__, "FluxAttnProcessor.__call__") == "0.36":
+        if self.arithmetic == "0.36":
             # diffusers 0.35-0.36 hand the output projections the split views as they are
             return attn.to_out[1](attn.to_out[0](hidden_states)), attn.to_add_out(
                 encoder_hidden_states

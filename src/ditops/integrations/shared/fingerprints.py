@@ -253,7 +253,7 @@ def arithmetic(relied: Relied) -> dict[str, str]:
 @functools.lru_cache(maxsize=256)
 def arithmetic_of(fn: Callable[..., Any], label: str) -> str | None:
     """The release whose arithmetic ``fn`` (checked under ``label``) was matched to, or
-    None: what a fused twin with variants asks at call time (cached per function)."""
+    None: what a processor with variants asks once, when it is built (cached per function)."""
     seen = match(fn, KNOWN[label])
     return None if seen is None else seen.arithmetic
 

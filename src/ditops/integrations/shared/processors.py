@@ -8,6 +8,8 @@ from __future__ import annotations
 import importlib
 from typing import Any, ClassVar
 
+from ditops.integrations.shared.fingerprints import arithmetic_of
+
 
 def _on_original(name: str) -> property:
     """An attribute read from and written to the wrapped ``original`` (None while unset)."""
@@ -36,6 +38,9 @@ class WrappingProcessor:
     wraps: tuple[str, str] = ("", "")
     #: Whether it serves block-sparse attention (else being handed a sparse layer is refused).
     serves_sparse: ClassVar[bool] = True
+    #: The relied-on label of the wrapped ``__call__`` when a subclass reproduces more than
+    #: one release's arithmetic (None: one arithmetic for every release served).
+    arithmetic_label: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -54,6 +59,10 @@ class WrappingProcessor:
         self.ops = ops  # the patched model's op bundle (None: the original's own code)
         self.steps = steps  # the step state sparse attention follows
         self.sparse = sparse  # the block-sparse attention layer (None: dense)
+        # The release whose arithmetic the original's __call__ matched, decided here once:
+        # a fingerprint reads source code, which has no place in a forward or a traced graph.
+        label = self.arithmetic_label
+        self.arithmetic = None if label is None else arithmetic_of(type(original).__call__, label)
 
     @classmethod
     def original_processor(cls) -> Any:
