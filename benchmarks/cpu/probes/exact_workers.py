@@ -110,6 +110,10 @@ def main() -> None:
                 "A/A": lambda: op.forward_native(call),
             }
             if args.compile:
+                # Each case compiles the same lambda's code with other objects: without
+                # room for recompiles dynamo stops compiling after 8 and runs eagerly.
+                torch._dynamo.config.recompile_limit = 1000
+                torch._dynamo.config.accumulated_recompile_limit = 10000
                 compiled = torch.compile(lambda: op.forward_native(call))
                 variants["compile"] = compiled
             variants["1 thread"] = path(1, 1)
