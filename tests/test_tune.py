@@ -10,7 +10,6 @@ import json
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -20,7 +19,7 @@ from ditops import config
 from ditops.core import tune
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
-from ditops.core.registry import reset_state
+from tests.tune_helpers import tuning_on
 
 #: seconds each competitor sleeps (a test sets them)
 DELAY = {"native": 0.0, "forward_cpu": 0.0, "forward_cpu_b": 0.0}
@@ -51,11 +50,11 @@ class ToyTuned(CustomOp):
     def forward_native(self, x: torch.Tensor) -> torch.Tensor:
         return _run("native", x)
 
-    @path(precisions=("exact", "fast"))
+    @path(precisions=("exact", "fast"), fast_bits="native")
     def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
         return _run("forward_cpu", x)
 
-    @path("cpu", precisions=("exact", "fast"), inference_only=True)
+    @path("cpu", precisions=("exact", "fast"), inference_only=True, fast_bits="native")
     def forward_cpu_b(self, x: torch.Tensor) -> torch.Tensor:
         return _run("forward_cpu_b", x)
 
@@ -86,14 +85,8 @@ def _clean(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
     FAIL_AT.clear()
     SLOW_FIRST.clear()
     monkeypatch.setattr(tune, "SETTLE_MIN_S", 1e9)
-    reset_state()
-    saved = getattr(config._local, "override", None)
-    config._local.override = replace(config.get(), tune="on", cache_dir=str(tmp_path))
-    try:
-        yield tmp_path
-    finally:
-        config._local.override = saved
-        reset_state()
+    with tuning_on(tmp_path) as where:
+        yield where
 
 
 def test_bad_tune_value_raises_with_the_allowed_ones() -> None:
@@ -323,28 +316,30 @@ def test_ditops_tune_on_a_tiny_wan_then_info_shows_the_choices(
     assert "DITOPS_TUNE=on" in out and "layer_norm_scale_shift cpu exact" in out
 
 
-def test_triton_launch_configs_are_tuned_within_the_tolerance() -> None:
-    """The Triton LayerNorm's launch configs compete (under TRITON_INTERPRET here: the
-    choice is not a speed claim, the mechanics are): every config gives the static one's
-    result within the fast tolerance, the choice is recorded under its shape class and
-    reused without timing."""
+def test_launch_configs_compete_only_when_they_give_the_same_bits() -> None:
+    """The Triton LayerNorm's configs may change a row's reduction order: it runs its
+    static config, bitwise what ``off`` gives, and nothing is timed. Configs a kernel
+    declares ``same_bits`` are timed, recorded under their shape class and reused."""
     pytest.importorskip("triton")
+    from ditops import launch
     from ditops.kernels.triton import layer_norm as tln
 
     x = torch.randn(64, 96)
     w, b = torch.randn(96), torch.randn(96)
     with config.override(tune="off"):
         want = tln.fp32_layer_norm(x, w, b, 1e-6)
-    got = tln.fp32_layer_norm(x, w, b, 1e-6)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(tln.fp32_layer_norm(x, w, b, 1e-6), want)
+    assert not [k for k in tune.choices() if "config" in k]
+    ran: list[int] = []
+    configs = [{"n": 0}, {"n": 1}]
+    launch.launch("toy_kernel", "cpu", (64, 96), configs, lambda c: ran.append(c["n"]), True)
     (key, choice), *_ = [(k, c) for k, c in tune.choices().items() if "config" in k]
-    assert key.startswith("triton_layer_norm/cpu/config/")
-    assert len(choice.candidates) >= 2 and choice.winner in choice.candidates
-    assert set(choice.times_ms) == set(choice.candidates)
+    assert key.startswith("toy_kernel/cpu/config/") and ran[-1] == 0  # the static one last
+    assert set(choice.times_ms) == set(choice.candidates) and len(choice.candidates) == 2
+    ran.clear()
     with config.override(tune="cache"):  # recorded: no timing needed
-        again = tln.fp32_layer_norm(x, w, b, 1e-6)
-    torch.testing.assert_close(again, want, rtol=1e-5, atol=1e-5)
-    assert tune.choices()[key] is choice
+        launch.launch("toy_kernel", "cpu", (64, 96), configs, lambda c: ran.append(c["n"]), True)
+    assert len(ran) == 1 and tune.choices()[key] is choice
 
 
 def test_explain_call_names_the_tuned_winner_and_why() -> None:

@@ -9,7 +9,14 @@ from ditops._version import __version__ as __version__
 from ditops.attention import BlockSparseConfig
 from ditops.config import configure, override
 from ditops.custom_op import BackendUnavailableError, CustomOp, explain, registered_ops
-from ditops.integrations import PatchError, explain_patch, patch, set_step, unpatch
+from ditops.integrations import (
+    PatchError,
+    explain_patch,
+    patch,
+    set_step,
+    sparse_densities,
+    unpatch,
+)
 from ditops.layers.modulation import LayerNormScaleShift, ScaleResidualLayerNormScaleShift
 from ditops.layers.norm import FP32LayerNorm
 from ditops.layers.rms_norm import RMSNorm
@@ -58,6 +65,7 @@ __all__ = [
     "device_kind",
     "explain",
     "explain_patch",
+    "sparse_densities",
     "force_device_kind",
     "override",
     "patch",

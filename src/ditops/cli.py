@@ -1,7 +1,8 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
 ditops info [--json] [--verbose] [--precision fast|exact]
-ditops tune [wan] [--size small|full] [--precision exact|fast|both] [--dtype ...] [--model PATH]
+ditops tune [wan] [--size ...] [--precision ...] [--dtype ...] [--device DEV] [--model PATH]
+            [--force] | --clear
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
              [--json PATH] [--no-progress] [--malloc both|current] [--busy]
 torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--size ...]
@@ -40,9 +41,9 @@ def _info(args: argparse.Namespace) -> int:
         "precision": args.precision or cfg.precision,
         "ops": [d.as_dict() for d in decisions],
     }
-    from ditops.core import tune
+    from ditops.core import tune_report
 
-    payload["tuning"], tuning_lines = tune.report(cfg)
+    payload["tuning"], tuning_lines = tune_report.report(cfg)
     if args.json:
         print(json.dumps(payload, indent=2, default=str))
         return 0
@@ -94,15 +95,13 @@ def _tune(args: argparse.Namespace) -> int:
 def _bench_argument_problem(args: argparse.Namespace) -> str | None:
     """What is wrong with the bench's arguments (a device that is not there, an output
     that cannot be written), in one line, or None."""
-    for flag in ("device", "json"):  # '' would silently mean the default / no file
-        if getattr(args, flag, None) == "":
-            return f"--{flag} is empty; give a {'device' if flag == 'device' else 'file path'}"
-    if args.device:
-        try:
-            torch.empty(0, device=torch.device(args.device))
-        except (RuntimeError, AssertionError, ValueError) as exc:
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            return f"--device {args.device} is not usable here ({first})"
+    from ditops.bench.devices import device_problem
+
+    if getattr(args, "json", None) == "":  # '' would silently mean no file
+        return "--json is empty; give a file path"
+    problem = device_problem(args.device)
+    if problem:
+        return problem
     for flag in ("json", "plot"):
         path = getattr(args, flag, None)
         if not path:
@@ -142,7 +141,7 @@ def _bench_suites(args: argparse.Namespace) -> int:
     )
     from ditops.bench.load import header, load_average
     from ditops.bench.suites import SUITES, get_suite
-    from ditops.core import tune
+    from ditops.core import tune, tune_report
 
     names = args.suites or ["wan"]
     models = ("wan", "flux", "hunyuan_video", "ltx_video", "cogvideox", "sglang")
@@ -245,7 +244,7 @@ def _bench_suites(args: argparse.Namespace) -> int:
 
             payload["qk_norm_rope_summary"] = qk_norm_rope.summary(payload["rows"])
             qk_norm_rope.print_summary(payload["qk_norm_rope_summary"])
-    payload["tuning"], tuning_lines = tune.report()
+    payload["tuning"], tuning_lines = tune_report.report()
     print("\n" + "\n".join(tuning_lines))
     if args.json:
         write_json(args.json, payload)
@@ -336,13 +335,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="explain for this precision (default: DITOPS_PRECISION)",
     )
-    tune_p = sub.add_parser("tune", help="time a model's shape classes ahead (DITOPS_TUNE)")
-    tune_p.add_argument("model_name", nargs="?", choices=("wan",), default="wan")
-    tune_p.add_argument("--size", choices=("small", "full"), default="small")
-    tune_p.add_argument("--precision", choices=("exact", "fast", "both"), default="both")
-    tune_p.add_argument("--dtype", choices=("auto", "bfloat16", "float32"), default="auto")
-    tune_p.add_argument("--device", default=None)
-    tune_p.add_argument("--model", default=None, metavar="PATH", help="a local Wan checkpoint")
+    from ditops.bench.tune_model import add_arguments
+
+    add_arguments(sub.add_parser("tune", help="time a model's shape classes ahead (DITOPS_TUNE)"))
     bench = sub.add_parser(
         "bench", help="measure ops (and a small Wan model) native against ditops"
     )

@@ -17,7 +17,8 @@
                        choices but times nothing; ``off`` takes the first usable path in
                        declared order (deterministic, explained by ``ditops info``).
 ``DITOPS_CACHE_DIR``   Where the tuning cache lives: default ``$XDG_CACHE_HOME/ditops``,
-                       else ``~/.cache/ditops``.
+                       else ``~/.cache/ditops`` (one that cannot be used is warned about:
+                       choices stay in memory; ``ditops tune --clear`` resets it).
 ``DITOPS_SGLANG``      ``1`` activates ditops' platform plug-in inside sglang's diffusion
                        runtime (:mod:`ditops.integrations.sglang`); read by sglang's
                        platform discovery in each of its processes. Default ``0``: an
@@ -26,11 +27,12 @@
 
 Why ``DITOPS_TUNE=on`` by default: ditops exists to be fast on the machine at hand, and
 which path is fastest was shown to depend on the machine (AMX or not) and on its load.
-Timing never changes a result: in ``exact`` precision every competitor is bitwise equal to
-the meaning, and in ``fast`` each is within the op's stated tolerance (the timed call
-itself returns the output of the path ``off`` would take). It costs a few extra calls once
-per shape class and machine. Set ``off`` where a ``fast`` run must take the same path on
-every machine (bitwise reproducible across machines).
+Timing never changes a result: only paths giving the bits of the path ``off`` would take
+compete (in ``exact`` every path gives the meaning's; in ``fast`` only paths declaring
+the same bits, :mod:`ditops.core.same_bits`), so ``on``, ``cache`` and ``off`` return the
+same bits on one machine, under any load. It costs a few extra calls once per shape
+class and machine. In ``fast`` the static choice itself may differ between machines (a
+GPU's Triton path, a CPU's kernel), each within the op's tolerance.
 
 The environment is read once, on first use; :func:`reload` reads it again.
 :func:`configure` changes the **process-wide** settings from code (every thread sees them).

@@ -24,9 +24,14 @@ def launch(
     shape: tuple[int, ...],
     configs: list[Config],
     run: Callable[[Config], None],
+    same_bits: bool = False,
 ) -> None:
-    """``run(config)`` with the tuned config for this shape class, else ``configs[0]``."""
-    if tuner is None:
+    """``run(config)`` with the tuned config for this shape class, else ``configs[0]``.
+
+    ``same_bits``: every config gives ``configs[0]``'s bits (no reduction changes its
+    order). Only then may the tuner choose among them: timing never changes a result
+    (:mod:`ditops.core.same_bits`). Otherwise ``configs[0]`` runs."""
+    if tuner is None or not same_bits:
         run(configs[0])
     else:
         tuner(kernel, kind, shape, configs, run)
@@ -34,8 +39,9 @@ def launch(
 
 def warps_and_rows(block_m: int, num_warps: int) -> list[Config]:
     """Launch configs of a row kernel for the tuner: the measured default first, then
-    half and twice the warps, and half the rows per program. Rows never mix, so they
-    differ at most in the order of a row's reduction (a ``fast`` path's tolerance)."""
+    half and twice the warps, and half the rows per program. Rows never mix, but the
+    order of a row's reduction may change with the warps and the tile, so they are not
+    passed as ``same_bits``: the first runs (timing would change a result)."""
     found: list[Config] = []
     for bm in (block_m, block_m // 2):
         for nw in (num_warps, num_warps * 2, num_warps // 2):

@@ -331,7 +331,8 @@ def test_bench_runs_malloc_suites_in_both_states(
     ("argv", "fragment"),
     [
         (["--device", "cuda"], "--device cuda is not usable here"),
-        (["--device", "nodevice"], "--device nodevice is not usable here"),
+        (["--device", "nodevice"], "--device nodevice is not a torch device"),
+        (["--device", "meta"], "--device meta holds no data"),
         (["--json", "/nonexistent-ditops/x.json"], "the folder /nonexistent-ditops does not exist"),
         (["--plot", "/nonexistent-ditops/p.png"], "the folder /nonexistent-ditops does not exist"),
         (["--json", "."], "is a directory"),

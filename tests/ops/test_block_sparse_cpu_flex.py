@@ -68,23 +68,24 @@ def test_avx512_bf16_without_amx_takes_flex_too(amx) -> None:
 
 
 @pytest.mark.parametrize("flex_wins", [True, False])
-def test_tuned_the_faster_path_is_kept_whatever_the_cpu(
+def test_tuning_keeps_the_static_rule_the_two_kernels_give_other_bits(
     amx, monkeypatch: pytest.MonkeyPatch, tmp_path, flex_wins: bool
 ) -> None:
-    """DITOPS_TUNE=on replaces the static rule by measurement. Test doubles of both
-    kernels (the gathered one's result, after a set delay) make either one the faster."""
+    """Compiled FlexAttention and the gathered kernel round differently, so they never
+    compete (timing never changes a result, ditops.core.same_bits): with DITOPS_TUNE=on
+    the static rule's path runs on every call, whichever would be faster."""
     import time
 
     import ditops.kernels.cpu.block_sparse_attention as gathered_kernel
 
-    amx(False)  # the static rule would say gathered
+    amx(False)  # the static rule says gathered
     real = gathered_kernel.gathered_block_sparse_attention
     ran: list[str] = []
 
     def slow_if(name: str, slow: bool):
         def kernel(*a, **kw):
             ran.append(name)
-            time.sleep(0.3 if slow else 0.0)  # far beyond the noise of a loaded machine
+            time.sleep(0.05 if slow else 0.0)
             return real(*a, **kw) if name == "gathered" else None
 
         return kernel
@@ -104,14 +105,10 @@ def test_tuned_the_faster_path_is_kept_whatever_the_cpu(
         with config.override(tune="on"), torch.no_grad():
             cfg = config.get()
             config._local.override = config.replace(cfg, cache_dir=str(tmp_path))
-            first = block_sparse_attention(*args)
-            assert ran[0] == "gathered"  # the static choice's output is the first result
-            ran.clear()
-            again = block_sparse_attention(*args)
-        assert ran == (["flex"] if flex_wins else ["gathered"])
-        assert torch.equal(first, again)
-        (choice,) = tune.choices(config.replace(cfg, cache_dir=str(tmp_path))).values()
-        assert set(choice.candidates) == {"forward_cpu_flex", "forward_cpu"}  # no meaning
+            for _ in range(3):
+                block_sparse_attention(*args)
+            assert ran == ["gathered"] * 3
+            assert tune.choices(config.replace(cfg, cache_dir=str(tmp_path))) == {}
     finally:
         reset_state()
 

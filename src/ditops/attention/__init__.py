@@ -17,6 +17,7 @@ from ditops.attention.block_mask import (
     validate_block_mask,
 )
 from ditops.attention.estimate import estimate_block_mask_reference
+from ditops.attention.mass import covered_mass
 from ditops.attention.reference import block_sparse_attention_reference
 from ditops.attention.schedule import BlockSparseConfig, first_frame_dense_blocks
 
@@ -25,6 +26,7 @@ __all__ = [
     "MaskDensity",
     "block_sparse_attention_reference",
     "causal_candidates",
+    "covered_mass",
     "density_stats",
     "estimate_block_mask_reference",
     "first_frame_dense_blocks",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ditops.attention.methods import DEFAULT_METHOD, DEFAULT_SAMPLES, check_method
 from ditops.attention.selection import FORCED_BLOCKS, BlockSelection
-from ditops.core.checks import as_int, as_real
+from ditops.core.checks import as_bool, as_int, as_real
 
 
 def _check_int(name: str, value: object, low: int) -> int:
@@ -31,9 +31,12 @@ def _check_int(name: str, value: object, low: int) -> int:
     return number
 
 
-def _check_bool(name: str, value: object) -> None:
-    if not isinstance(value, bool):
+def _check_bool(name: str, value: object) -> bool:
+    """A bool (numpy's too, a 0-d bool array or tensor), as a Python bool."""
+    flag = as_bool(value)
+    if flag is None:
         raise TypeError(f"{name} must be a bool, got {type(value).__name__} {value!r}")
+    return flag
 
 
 def _check_float(name: str, value: object) -> float:
@@ -97,8 +100,11 @@ class BlockSparseConfig:
             blocks counted (:func:`ditops.attention.mass.select_by_mass`): every
             head gets the density it needs, local heads few blocks, diffuse heads more.
             The density that results is the mask's that runs
-            (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`).
-            Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
+            (:meth:`~ditops.layers.sparse_attention.BlockSparseAttention.last_density`,
+            ``ditops.sparse_densities(model)``). The mass is the *estimate's* (sampled
+            rows see a row's mass in part): the mass covered in truth may be a few
+            hundredths less on some heads; :func:`ditops.attention.covered_mass`
+            measures it. Give ``sparsity`` or ``mass``, not both; ``mass=1`` runs dense attention.
             Needs ``threshold=1``, ``forced_blocks="in_budget"`` and a per-row or
             per-head method (not ``"sampled_layer"``).
         permute: the permuted mode (:mod:`ditops.attention.permute`, after Sparse
@@ -172,7 +178,7 @@ class BlockSparseConfig:
         if not 0.0 < threshold <= 1.0:
             raise ValueError(f"threshold must be in (0, 1], got {self.threshold}")
         for name in ("keep_sink", "keep_recent", "causal", "permute"):
-            _check_bool(name, getattr(self, name))
+            object.__setattr__(self, name, _check_bool(name, getattr(self, name)))
         _check_int("clusters", self.clusters, 0)
         if self.permute and self.causal:
             raise ValueError(

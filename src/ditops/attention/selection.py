@@ -29,7 +29,7 @@ from ditops.attention.methods import (
     select_per_head,
     select_per_layer,
 )
-from ditops.core.checks import check_choice, check_flag, check_int
+from ditops.core.checks import as_real, check_choice, check_flag, check_int
 from ditops.tracing import traced
 
 #: What ``keep_ratio`` means: the share of the map that runs, forced blocks included
@@ -115,9 +115,9 @@ class BlockSelection:
 
 def check_mass_value(mass: object, where: str) -> float:
     """``mass`` as a float in (0, 1], or a TypeError/ValueError saying what is valid."""
-    if not _is_number(mass):
+    value = as_real(mass)  # numpy's numbers and 0-d arrays too, as the other settings
+    if value is None:
         raise TypeError(f"{where}: mass must be a number in (0, 1], got {mass!r}")
-    value = float(mass)  # type: ignore[arg-type]
     if not 0.0 < value <= 1.0:  # False for NaN too
         raise ValueError(
             f"{where}: mass must be in (0, 1] (the share of each row's attention mass the "
@@ -355,10 +355,12 @@ def _forced_only(
     if budget.forced > budget.total and key not in _WARNED_FORCED_ONLY and not traced():
         _WARNED_FORCED_ONLY.add(key)
         logger.warning(
-            "ditops block-sparse attention: the forced blocks (first frame: %d block rows "
-            "and columns, sink, recent) are %.3f of the %dx%d block map, more than the "
-            "density asked for (%.3f = 1 - sparsity); running the forced blocks only. The "
-            "smallest density reachable at this shape is %.3f (sparsity %.3f).",
+            "ditops block-sparse attention: the forced blocks (%d leading dense blocks, "
+            "rows and columns: the first frame and what the model family keeps dense with "
+            "it, such as text or history latents; sink, recent) are %.3f of the %dx%d block "
+            "map, more than the density asked for (%.3f = 1 - sparsity); running the "
+            "forced blocks only: density %.3f ran (sparsity %.3f), the smallest reachable "
+            "at this shape (ditops.sparse_densities reads it per layer).",
             sel.dense_blocks,
             budget.min_density,
             q_blocks,

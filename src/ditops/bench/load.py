@@ -100,7 +100,7 @@ def header(busy: bool = False) -> list[str]:
     """Lines that open a benchmark's output: the machine fingerprint the tuner keys its
     cache on, the load average at start, the tuning mode and whether a neighbour spins."""
     from ditops import config
-    from ditops.core import tune
+    from ditops.core import tune, tune_report
 
     fp = tune.fingerprint()
     cfg = config.get()
@@ -110,5 +110,5 @@ def header(busy: bool = False) -> list[str]:
         f"{os.cpu_count()} cores",
         f"load average at start: {load_average():.2f}"
         + (" (plus a busy neighbour: one spinning process for the run)" if busy else ""),
-        f"DITOPS_TUNE={cfg.tune}, cache {tune.cache_file(cfg)}",
+        f"DITOPS_TUNE={cfg.tune}, cache {tune_report.cache_place(cfg)}",
     ]

@@ -60,12 +60,29 @@ def as_int(value: object) -> int | None:
         return None
 
 
+def _numpy_scalar(value: object) -> object:
+    """A numpy scalar or 0-d array as its Python value (``np.array(0.5)`` -> 0.5, as
+    ``operator.index`` already takes a 0-d integer one); anything else as it is. Tensors
+    are not unwrapped: a float tensor is refused where a setting is asked."""
+    if type(value).__module__ == "numpy" and getattr(value, "ndim", None) == 0:
+        return value.item()  # type: ignore[attr-defined]
+    return value
+
+
+def as_bool(value: object) -> bool | None:
+    """``value`` as a Python bool when it is one (numpy's ``bool_`` and 0-d bool arrays
+    too), else None; an int is not one."""
+    value = _numpy_scalar(value)
+    return value if type(value) is bool else None
+
+
 def as_real(value: object) -> float | None:
     """``value`` as a Python float when it is a real number (an integer as :func:`as_int`
-    takes it, or a ``numbers.Real``: float, numpy's) that a float holds exactly, else
-    None; a bool is not one."""
+    takes it, or a ``numbers.Real``: float, numpy's scalars and 0-d arrays) that a float
+    holds exactly, else None; a bool is not one."""
     if type(value) is float:
         return value
+    value = _numpy_scalar(value)
     number = as_int(value)
     if number is not None:
         result = float(number)
@@ -89,9 +106,11 @@ def check_eps(op: str, eps: object) -> float:
 
 
 def check_flag(op: str, name: str, value: object) -> bool:
-    if not isinstance(value, bool):
+    """A bool (numpy's too: :func:`as_bool`), as a Python bool."""
+    flag = as_bool(value)
+    if flag is None:
         raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__} {value!r}")
-    return value
+    return flag
 
 
 def check_int(op: str, name: str, value: object, minimum: int = 1) -> int:

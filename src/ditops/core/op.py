@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from ditops import config
-from ditops.core import registry, tune
+from ditops.core import registry, same_bits, tune
 from ditops.core.calls import Args, OpCall, invoke
 from ditops.core.checks import check_precision, dtype_name
 from ditops.core.paths import NATIVE, Decision, PathReport, PathSpec, runner
@@ -380,8 +380,9 @@ class CustomOp(nn.Module):
         decision = Decision(cls.op_name, kind, precision, chosen, candidates)
         unpack = cls.prepare is CustomOp.prepare  # no record type: the arguments as given
         routes = tuple((spec, runner(cls, spec, unpack)) for spec in usable)
-        names = tuple(s.name for s in usable) + ((NATIVE,) if cls.meaning_competes else ())
-        competitors = names if cfg.tune != "off" and len(names) > 1 else ()
+        # Only paths giving the same bits compete: timing never changes a result.
+        same = same_bits.competitors(usable, precision, cls.meaning_competes)
+        competitors = same if cfg.tune != "off" else ()
         return _Plan(routes, precision == "exact", decision, competitors)
 
     @classmethod

@@ -41,6 +41,8 @@ class PathSpec:
     inference_only: bool = False
     propagates_non_finite: bool = False
     reasons: Reasons | None = None
+    #: In ``fast`` precision, what this path's bits equal (:func:`path`'s ``fast_bits``).
+    fast_bits: str | None = None
 
     def accepts(self) -> str:
         """What this path takes, in words (for explanations)."""
@@ -73,6 +75,7 @@ def path(
     inference_only: bool = False,
     propagates_non_finite: bool = False,
     reasons: Reasons | None = None,
+    fast_bits: str | None = None,
 ) -> Callable[[F], F]:
     """Declare a method as a fast path of its op.
 
@@ -87,6 +90,11 @@ def path(
         propagates_non_finite: tested to give NaN/inf where the meaning does, so the
             op's non-finite rule is not applied to it.
         reasons: ``reasons(call) -> list[str]``: the calls it refuses, in words.
+        fast_bits: what its output equals bit for bit in ``fast`` precision, for the
+            tuner (which chooses only among paths giving the same bits,
+            :mod:`ditops.core.same_bits`): ``"native"`` when it gives the meaning's bits
+            there too, a name it shares with the paths whose bits it gives; ``None``
+            (the default): its own bits. In ``exact`` every path gives the meaning's.
 
     The method takes the op's call record (``forward_x(self, call)``; ops without a
     record type take the call's arguments). Called directly with plain arguments it
@@ -115,6 +123,7 @@ def path(
             inference_only=inference_only,
             propagates_non_finite=propagates_non_finite,
             reasons=reasons,
+            fast_bits=fast_bits,
         )
 
         @functools.wraps(fn)

@@ -4,51 +4,42 @@ Which path is fastest depends on the machine (AMX or not, AVX-512 or not), on it
 and on the shape, so a fixed order written on one machine is wrong on the next. When
 more than one path can serve a call under the precision in force, the dispatcher
 (:meth:`ditops.core.op.CustomOp.run`) asks this module. The competitors are the op's
-usable paths for the device kind and, unless the op opts out
-(:attr:`~ditops.core.op.CustomOp.meaning_competes`: its meaning is a memory-bounded
-oracle, not a contender), the meaning itself. In ``exact`` precision only paths that
-promise bitwise equality with the meaning are usable, so every competitor gives the
-same bits and any winner is fine; in ``fast`` each is within the op's tolerance.
+usable paths for the device kind that give the call's static choice's bits, the meaning
+among them where it gives them and competes (:mod:`ditops.core.same_bits`: timing
+never changes a result; with ``torch.use_deterministic_algorithms(True)`` nothing is
+tuned).
 
 **Shape classes.** Calls are bucketed by device kind, precision, and each tensor's dtype
 and dims rounded to the nearest power of two (``bfloat16[0,13,11]``: ``[1, 8064, 1536]``),
 so a model's calls make a handful of classes and a class is timed once.
 
-**Timing** (``on``), on the first call of a class: the path ``off`` would take runs first
-and its output is the call's result (timing never changes what a call returns); each
-other competitor then runs once to warm up (a compiled path compiles here), then
-timed rounds (:data:`ROUNDS`) run every competitor in alternating order (interleaved, so a
-busy neighbour weighs on all alike), and the fastest by its best round wins. The static
-choice is kept unless another is faster by :data:`KEEP_MARGIN`. Cost, once per class
-and machine: ``n - 1`` warm-ups and ``ROUNDS * n`` to ``MAX_ROUNDS * n`` timed calls for
-``n`` competitors (5 to 17 extra calls for a path against the meaning; for CPU
-FlexAttention its compile, some seconds, plus about six attention calls). Calls whose
-competitors are not all usable on this call (NaN inputs, grad enabled) and calls of a
-class another thread is timing take the static choice and time nothing. Never inside
-``torch.compile`` tracing (a traced call keeps the static choice: the dispatcher does not
-come here then).
+**Timing** (``on``), on the first call of a class: the static choice (what ``off``
+takes) runs first and its output is the call's result; each other competitor warms up
+once (a compiled path compiles here), then timed rounds (:data:`ROUNDS`) run them all in
+alternating order (a busy neighbour weighs on all alike); the fastest by its best round
+wins, the static choice unless beaten by :data:`KEEP_MARGIN`. Cost, once per class and
+machine: ``n - 1`` warm-ups and ``ROUNDS * n`` to ``MAX_ROUNDS * n`` timed calls for
+``n`` competitors. Calls not every competitor takes (NaN inputs, grad enabled), calls of
+a class another thread is timing and traced calls (``torch.compile``) time nothing.
 
 **Memory and the cache.** Choices live in this process and in a JSON file per machine
-fingerprint (:func:`fingerprint`: CPU model and the flags that decide kernels, GPU
-name, torch and ditops versions, intra-op threads) under ``DITOPS_CACHE_DIR``, else
-``$XDG_CACHE_HOME/ditops``, else ``~/.cache/ditops``, as Triton's autotuner and cuDNN's
-benchmark mode keep theirs. ``cache`` mode reads them and times nothing. A record whose
-competitors differ from today's (a package installed, a path broken) is timed again.
-An unreadable or unwritable cache is warned about once and ignored: tuning never breaks
-a run. A winner that raises later falls back as any path does.
+fingerprint (:func:`fingerprint`) under ``DITOPS_CACHE_DIR``, else
+``$XDG_CACHE_HOME/ditops``, else ``~/.cache/ditops`` (:mod:`ditops.core.tune_store`: a
+format version, the load per core each choice was timed under, pruning; a bad cache
+never breaks a run). ``cache`` mode reads them and times nothing. A record whose
+competitors differ from today's, or timed under much heavier load than now, is timed
+again (``on``). A winner that raises later falls back as any path does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
-import json
 import logging
 import math
-import os
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import asdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -56,8 +47,9 @@ import torch
 
 from ditops import config
 from ditops import launch as launch_hook
-from ditops.core import registry
+from ditops.core import registry, same_bits, tune_store
 from ditops.core.tune_cache import CPU_FLAGS, Choice, cache_file, cpu_flags, fingerprint
+from ditops.core.tune_devices import device_for_kind, sync_device
 
 __all__ = ["CPU_FLAGS", "Choice", "cache_file", "cpu_flags", "fingerprint"]
 from ditops.core.calls import OpCall, invoke
@@ -91,8 +83,10 @@ class _Table:
         self.lock = threading.Lock()
         self.choices: dict[str, Choice] = {}
         self.read: set[Path] = set()  # cache files already read
+        self.memory_only: set[Path] = set()  # files never to write (said so in a warning)
         self.busy: set[str] = set()  # classes being timed now
         self.classes: dict[tuple[Any, ...], str] = {}  # (dtype, shape)... -> class text
+        self.load_checked: set[str] = set()  # cached choices whose load was compared
         self.warned = False
 
 
@@ -132,7 +126,7 @@ def class_key(op: str, kind: str, precision: str, tensors: list[torch.Tensor]) -
 def _warn(message: str) -> None:
     if not _table.warned:
         _table.warned = True
-        logger.warning("ditops tuning: %s (choices kept in memory only)", message)
+        logger.warning("ditops tuning: %s", message)
 
 
 def _load(path: Path) -> None:
@@ -140,62 +134,69 @@ def _load(path: Path) -> None:
     if path in _table.read:
         return
     _table.read.add(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        return
-    except (OSError, ValueError) as exc:
-        _warn(f"cannot read {path}: {exc}")
-        return
-    entries = data.get("choices") if isinstance(data, dict) else None
-    if not isinstance(entries, dict):
-        _warn(f"{path} is not a ditops tuning cache")
-        return
-    for key, e in entries.items():
-        try:
-            choice = Choice(
-                str(e["winner"]),
-                tuple(map(str, e["candidates"])),
-                {str(k): float(v) for k, v in e["times_ms"].items()},
-                float(e.get("load", -1.0)),
-                "cache",
-            )
-        except (KeyError, TypeError, ValueError, AttributeError):
-            continue  # one bad record does not spoil the others
+    found = tune_store.read(path)
+    if not found.writable:
+        _table.memory_only.add(path)
+    if found.problem:
+        memory = " (choices kept in memory only)" if not found.writable else ""
+        _warn(found.problem + memory)
+    for key, choice in found.choices.items():
         _table.choices.setdefault(key, choice)
 
 
-def _save(path: Path) -> None:
+def _save(path: Path | None) -> None:
     """Merge this process's measured choices into the cache file (atomic replace)."""
+    if path is None or path in _table.memory_only:
+        return
+    with _table.lock:
+        mine = {k: c for k, c in _table.choices.items() if c.source == "measured"}
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            old = json.loads(path.read_text(encoding="utf-8")).get("choices", {})
-        except (OSError, ValueError, AttributeError):
-            old = {}
-        with _table.lock:
-            mine = {k: c for k, c in _table.choices.items() if c.source == "measured"}
-        merged = dict(old) if isinstance(old, dict) else {}
-        for key, c in mine.items():
-            record = asdict(c)
-            record.pop("source")
-            merged[key] = record
-        payload = {"fingerprint": fingerprint(), "choices": merged}
-        tmp = path.with_name(f"{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_text(json.dumps(payload, indent=1, sort_keys=True), encoding="utf-8")
-        os.replace(tmp, path)
+        tune_store.write(path, mine)
     except OSError as exc:
-        _warn(f"cannot write {path}: {exc}")
+        _table.memory_only.add(path)
+        _warn(f"cannot write {path}: {exc} (choices kept in memory only)")
+
+
+def _file(cfg: config.Config) -> Path | None:
+    """This machine's cache file, or None when its folder cannot be named (warned)."""
+    try:
+        return cache_file(cfg)
+    except OSError as exc:
+        _warn(f"{exc} (choices kept in memory only)")
+        return None
 
 
 def lookup(key: str, cfg: config.Config | None = None) -> Choice | None:
     """The choice for a class key (reading the cache file on first use)."""
     cfg = cfg or config.get()
-    path = cache_file(cfg)
-    if path not in _table.read:
+    path = _file(cfg)
+    if path is not None and path not in _table.read:
         with _table.lock:
             _load(path)
     return _table.choices.get(key)
+
+
+@contextlib.contextmanager
+def retiming(cfg: config.Config | None = None) -> Iterator[None]:
+    """Inside: every class met is timed again (``ditops tune --force``): the cache file
+    is not read and the choices in memory are forgotten; the new ones are merged in."""
+    forget()
+    path = _file(cfg or config.get())
+    if path is not None:
+        _table.read.add(path)
+    try:
+        yield
+    finally:
+        if path is not None:
+            _table.read.discard(path)
+
+
+def clear(cfg: config.Config | None = None) -> tuple[Path | None, list[Path]]:
+    """Forget every choice and remove this machine's cache file (``ditops tune
+    --clear``): the file, and what was removed."""
+    forget()
+    path = _file(cfg or config.get())
+    return path, (tune_store.clear(path) if path is not None else [])
 
 
 def choices(cfg: config.Config | None = None) -> dict[str, Choice]:
@@ -205,57 +206,41 @@ def choices(cfg: config.Config | None = None) -> dict[str, Choice]:
         return dict(sorted(_table.choices.items()))
 
 
-def describe(found: dict[str, Choice]) -> list[str]:
-    """Lines for people: per shape class, the winner and the times that chose it."""
-    lines = []
-    for key, c in found.items():
-        op, kind, precision, shapes = key.split("/", 3)
-        lines.append(f"  {op} {kind} {precision} {shapes}")
-        lines.append(f"      -> {c.winner.removeprefix('forward_')}: {c.why()}")
-    return lines or ["  (none yet)"]
-
-
-def report(cfg: config.Config | None = None) -> tuple[dict[str, Any], list[str]]:
-    """The tuning state for ``ditops info`` and ``ditops bench``: JSON-able, and lines."""
-    cfg = cfg or config.get()
-    found = choices(cfg) if cfg.tune != "off" else {}
-    data = {
-        "mode": cfg.tune,
-        "fingerprint": fingerprint(),
-        "cache_file": str(cache_file(cfg)),
-        "choices": {k: {"winner": c.winner, "why": c.why()} for k, c in found.items()},
-    }
-    lines = [
-        f"tuned choices (DITOPS_TUNE={cfg.tune}; where several paths can serve a call, the "
-        "fastest measured for its shape class, dtypes and dims rounded to powers of two; "
-        f"cache {data['cache_file']}):",
-        *(describe(found) if cfg.tune != "off" else ["  (off: the static order)"]),
-    ]
-    return data, lines
-
-
 def forget() -> None:
     """Forget every choice in memory (the cache file stays); for tests and ``ditops tune``."""
     with _table.lock:
         _table.choices.clear()
         _table.read.clear()
+        _table.memory_only.clear()
+        _table.load_checked.clear()
         _table.warned = False
 
 
 def recorded(op: CustomOp, kind: str, plan: _Plan, call: OpCall) -> Choice | None:
     """The choice that applies to this call's class, if one is recorded (for
     explanations: nothing is timed)."""
-    key = class_key(op.op_name, kind, plan.decision.precision, call.tensors())
-    choice = lookup(key)
-    cfg = config.get()
-    if choice is None or (choice.candidates != plan.competitors and cfg.tune != "cache"):
+    tensors = call.tensors()
+    if same_bits.deterministic() or _static_name(op, kind, plan, call, tensors) not in (
+        plan.competitors
+    ):
         return None
-    return choice
+    key = class_key(op.op_name, kind, plan.decision.precision, tensors)
+    return same_bits.applicable(lookup(key), plan.competitors, config.get().tune)
 
 
-def _sync(kind: str) -> None:
-    if kind != "cpu":
-        torch.accelerator.synchronize()
+def _static_name(
+    op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor]
+) -> str:
+    """The path ``DITOPS_TUNE=off`` takes for this call (static preferences count)."""
+    outer = deciding()
+    _deciding.on = False
+    try:
+        for spec, _ in plan.paths:
+            if not op._call_reasons(spec, kind, call, tensors):
+                return spec.name
+        return NATIVE
+    finally:
+        _deciding.on = outer
 
 
 def dispatch(
@@ -274,10 +259,17 @@ def dispatch(
 def _dispatch(
     op: CustomOp, kind: str, plan: _Plan, call: OpCall, tensors: list[torch.Tensor]
 ) -> Any:
+    if same_bits.deterministic():
+        return STATIC
+    static = _static_name(op, kind, plan, call, tensors)
+    if static not in plan.competitors:  # its bits are its own: nothing to choose
+        return STATIC
     cfg = config.get()
     key = class_key(op.op_name, kind, plan.decision.precision, tensors)
-    choice = lookup(key, cfg)
-    if choice is not None and (choice.candidates == plan.competitors or cfg.tune == "cache"):
+    choice = same_bits.applicable(lookup(key, cfg), plan.competitors, cfg.tune)
+    if choice is not None and cfg.tune == "on" and _heavier_then(key, choice):
+        choice = None  # timed under much heavier load than now: timed again
+    if choice is not None:
         return _run_winner(op, kind, plan, call, tensors, choice.winner)
     if cfg.tune != "on":
         return STATIC
@@ -286,10 +278,18 @@ def _dispatch(
             return STATIC
         _table.busy.add(key)
     try:
-        return _measure(op, kind, plan, call, tensors, key, cfg)
+        return _measure(op, kind, plan, call, tensors, key, cfg, static)
     finally:
         with _table.lock:
             _table.busy.discard(key)
+
+
+def _heavier_then(key: str, choice: Choice) -> bool:
+    """A cached choice timed under much heavier load than now (checked once a class)."""
+    if choice.source != "cache" or key in _table.load_checked:
+        return False
+    _table.load_checked.add(key)
+    return tune_store.timed_under_heavier_load(choice)
 
 
 def _run_winner(
@@ -314,24 +314,20 @@ def _measure(
     tensors: list[torch.Tensor],
     key: str,
     cfg: config.Config,
+    name: str,
 ) -> Any:
     runs: list[tuple[str, Callable[[], Any]]] = []
     for spec, fn in plan.paths:
+        if spec.name not in plan.competitors:
+            continue
         if op._call_reasons(spec, kind, call, tensors):
             return STATIC  # not every competitor can take this call: time a later one
         runs.append((spec.name, functools.partial(fn, op, call)))
     if NATIVE in plan.competitors:
         runs.append((NATIVE, functools.partial(invoke, type(op)._native, op, call)))
-    # The static choice (what DITOPS_TUNE=off takes: static preferences count) runs first
-    # and its output is this call's result.
-    _deciding.on = False
-    try:
-        static = next(
-            (s for s, _ in plan.paths if not op._call_reasons(s, kind, call, tensors)), None
-        )
-    finally:
-        _deciding.on = True
-    name = static.name if static is not None else NATIVE
+    # The static choice (``name``: what DITOPS_TUNE=off takes, static preferences
+    # count) runs first and its output is this call's result.
+    static = next((s for s, _ in plan.paths if s.name == name), None)
     runs.sort(key=lambda r: r[0] != name)
     call.exact = plan.exact
     if static is None:
@@ -342,13 +338,13 @@ def _measure(
         except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
             return op._after_failure(kind, static, exc, call)
         result = op._mended(static, kind, call, result)
-    best = _race(kind, key, runs, warmed=1)
+    best = _race(tensors[0].device if tensors else None, key, runs, warmed=1)
     _decide(key, runs[0][0], plan.competitors, best, cfg)
     return result
 
 
 def _race(
-    kind: str, key: str, runs: list[tuple[str, Callable[[], Any]]], warmed: int
+    device: torch.device | None, key: str, runs: list[tuple[str, Callable[[], Any]]], warmed: int
 ) -> dict[str, float]:
     """Best seconds of each run over interleaved rounds (alternating order; see
     :data:`ROUNDS`), after one warm-up each (the first ``warmed`` had theirs: a compile
@@ -365,7 +361,8 @@ def _race(
     for r in range(MAX_ROUNDS):
         settling = False
         for name, fn in alive if r % 2 == 0 else alive[::-1]:
-            _sync(kind)
+            if device is not None:  # the tensors' own device (ditops.core.tune_devices)
+                sync_device(device)
             t0 = time.perf_counter()
             try:
                 fn()
@@ -373,7 +370,8 @@ def _race(
                 best[name] = math.inf
                 alive = [a for a in alive if a[0] != name]
                 continue
-            _sync(kind)
+            if device is not None:
+                sync_device(device)
             took = time.perf_counter() - t0
             settling = settling or _settling(best[name], took)
             best[name] = min(best[name], took)
@@ -395,12 +393,11 @@ def _decide(
     if best[static] <= best[winner] * (1 + KEEP_MARGIN):
         winner = static
     times = {n: round(t * 1e3, 4) for n, t in best.items() if t < math.inf}
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0
-    choice = Choice(winner, candidates, times, round(load, 2))
+    choice = Choice(winner, candidates, times, tune_store.load_per_core())
     with _table.lock:
         _table.choices[key] = choice
     logger.info("ditops tuning %s: %s (%s)", key, winner, choice.why())
-    _save(cache_file(cfg))
+    _save(_file(cfg))
 
 
 # --- kernel launch configs (Triton) --------------------------------------------------------
@@ -422,13 +419,14 @@ def launch_config(
     kept in the same cache file, under the same switch.
 
     ``configs[0]`` is the static choice (``DITOPS_TUNE=off``, or ``cache`` without a
-    record). Every config must compute the call's result (within the op's tolerance:
-    fast paths only) and ``launch(cfg)`` must be safe to repeat (outputs only written).
+    record). Every config must give the static config's bits (kernels pass
+    ``same_bits=True`` to :func:`ditops.launch.launch`; others never reach here) and
+    ``launch(cfg)`` must be safe to repeat (outputs only written).
     When timing, each config warms up and runs :data:`ROUNDS` timed rounds; the static
     config runs last, so the timed call's outputs are the ones ``off`` would give.
     """
     cfg = config.get()
-    if cfg.tune == "off" or len(configs) < 2:
+    if cfg.tune == "off" or len(configs) < 2 or same_bits.deterministic():
         launch(configs[0])
         return
     names = tuple(_config_name(c) for c in configs)
@@ -448,7 +446,8 @@ def launch_config(
         return
     try:
         runs = [(n, functools.partial(launch, c)) for n, c in zip(names, configs, strict=True)]
-        best = _race(kind, key, runs[::-1], warmed=0)  # the static config warms up last
+        # the static config warms up last
+        best = _race(device_for_kind(kind), key, runs[::-1], warmed=0)
         launch(configs[0])  # ... and runs last: its outputs are the call's
         _decide(key, names[0], names, best, cfg)
     finally:

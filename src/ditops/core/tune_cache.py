@@ -69,17 +69,27 @@ def fingerprint_id() -> str:
 
 
 def cache_file(cfg: config.Config | None = None) -> Path:
-    """The cache file for this machine under the settings' cache directory."""
+    """The cache file for this machine under the settings' cache directory
+    (:class:`CacheDirError`, an OSError, when the folder cannot be named)."""
     cfg = cfg or config.get()
     return _cache_file(cfg.cache_dir, os.environ.get("XDG_CACHE_HOME", ""))
 
 
+class CacheDirError(OSError):
+    """The cache folder cannot be named (``~user`` of an unknown user, no home): the
+    tuner warns once and keeps its choices in memory only."""
+
+
 @functools.lru_cache(maxsize=16)
 def _cache_file(cache_dir: str, xdg: str) -> Path:
-    if cache_dir:
-        root = Path(cache_dir).expanduser()
-    else:
-        root = (Path(xdg) if xdg else Path.home() / ".cache") / "ditops"
+    try:
+        if cache_dir:
+            root = Path(cache_dir).expanduser()
+        else:
+            root = (Path(xdg) if xdg else Path.home() / ".cache") / "ditops"
+    except RuntimeError as exc:  # expanduser / home(): no such user, no home
+        where = f"DITOPS_CACHE_DIR={cache_dir!r}" if cache_dir else "the home folder"
+        raise CacheDirError(f"{where} cannot be used: {exc}") from None
     return root / f"tune-{fingerprint_id()}.json"
 
 
@@ -90,7 +100,7 @@ class Choice:
     winner: str
     candidates: tuple[str, ...]
     times_ms: dict[str, float]
-    load: float  # 1-minute load average when measured
+    load: float  # 1-minute load average per core when measured (-1: unknown)
     source: str = "measured"  # or "cache"
 
     def why(self) -> str:
@@ -98,4 +108,4 @@ class Choice:
         times = ", ".join(
             f"{n.removeprefix('forward_')} {t:.3g} ms" for n, t in sorted(self.times_ms.items())
         )
-        return f"{times} (load {self.load:.2f}, {self.source})"
+        return f"{times} (load {self.load:.2f}/core, {self.source})"

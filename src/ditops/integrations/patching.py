@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ditops.attention.block_mask import MaskDensity
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations.chroma.family import SPEC as CHROMA
 from ditops.integrations.cogvideox.family import SPEC as COGVIDEOX
@@ -42,7 +43,7 @@ from ditops.integrations.shared.base import (
     PatchRecord,
 )
 from ditops.integrations.shared.family import DeclaredFamily
-from ditops.integrations.shared.norms import GenericFamily
+from ditops.integrations.shared.norms import GenericFamily, has_swappable_norms
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
 from ditops.integrations.z_image.family import SPEC as Z_IMAGE
@@ -87,9 +88,11 @@ class PatchReport:
 
     models: dict[str, dict[str, int]]
     unfused: dict[str, dict[str, str]] = field(default_factory=dict)
+    #: Components of a pipeline left as they were: nothing in them to patch (why).
+    nothing: dict[str, str] = field(default_factory=dict)
 
     def __str__(self) -> str:
-        parts = []
+        parts = [f"{name}: nothing to patch ({why})" for name, why in self.nothing.items()]
         for name, summary in self.models.items():
             what = ", ".join(f"{n} {k}" for k, n in sorted(summary.items())) or "nothing"
             why = self.unfused.get(name)
@@ -129,6 +132,20 @@ def _models_of(target: Any) -> dict[str, nn.Module]:
     raise PatchError(
         f"patch expects a diffusers model (nn.Module) or a pipeline with transformer "
         f"components, got {type(target).__name__}"
+    )
+
+
+def nothing_to_patch(model: nn.Module, family: ModelFamily, options: PatchOptions) -> str:
+    """Why patching ``model`` as asked could change nothing in any precision ("" when
+    it can): a model no family recognises (the generic patch: norms only) with no
+    FP32LayerNorm or nn.LayerNorm. A single such model is refused (a silent "nothing"
+    reads as success); a pipeline lists such components in its report."""
+    if family.name != "generic" or not options.norms or has_swappable_norms(model):
+        return ""
+    deeper = ", ".join(c for f in FAMILIES for c in f.model_classes)
+    return (
+        f"{type(model).__name__} has no FP32LayerNorm or nn.LayerNorm, what ditops patches "
+        f"in any model, and is none of the models with a deeper patch ({deeper})"
     )
 
 
@@ -205,6 +222,7 @@ def patch(
     models = _models_of(target)
     report: dict[str, dict[str, int]] = {}
     unfused: dict[str, dict[str, str]] = {}
+    nothing: dict[str, str] = {}  # pipeline components with nothing to patch: why
     todo: list[tuple[str, nn.Module, ModelFamily, Any, PatchOptions]] = []
     undone: list[PatchRecord] = []  # earlier patches taken off to check the new options
     try:
@@ -219,7 +237,17 @@ def patch(
                 undone.append(existing)
             family = family_of(model)
             _refuse_float64(model, family, options)
-            todo.append((name, model, family, family.check(model, options), options))
+            plan = family.check(model, options)  # its refusals (sparse asked) first
+            why = nothing_to_patch(model, family, options)
+            if why:
+                nothing[name] = why
+                continue
+            todo.append((name, model, family, plan, options))
+        if nothing and (isinstance(target, nn.Module) or len(nothing) == len(models)):
+            raise PatchError(
+                f"ditops.patch: nothing to patch: {'; '.join(nothing.values())}; nothing "
+                "was changed"
+            )
         done: list[tuple[nn.Module, PatchRecord]] = []
         try:
             for name, model, family, plan, options in todo:
@@ -238,7 +266,9 @@ def patch(
         raise
     for model, record in done:
         model._ditops_patch = record  # type: ignore[assignment]
-    result = PatchReport(report, {k: v for k, v in unfused.items() if v})
+    result = PatchReport(report, {k: v for k, v in unfused.items() if v}, nothing)
+    for name, why in nothing.items():
+        logger.warning("ditops.patch: %s: nothing to patch, left as it is (%s)", name, why)
     logger.info("ditops.patch: %s", result)
     return result
 
@@ -259,6 +289,30 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
         for place, (module, bypass) in record.targets.items():
             places[place] = bypass.problem(module) or "fused"
         out[name] = dict(sorted(places.items()))
+    return out
+
+
+def sparse_densities(target: Any) -> dict[str, dict[str, MaskDensity | None]]:
+    """The density each sparse self-attention of a patched model ran at its last eager
+    sparse call: ``{model: {attention place: MaskDensity | None}}`` (``None``: dense, or
+    no sparse call yet; places as in ``named_modules``).
+
+    The density asked (``1 - sparsity``) counts every family's forced dense part (the
+    first frame, and what a family keeps dense with it: HunyuanVideo-Framepack's text,
+    history and clean latents); where that part alone is more, only it runs, with a
+    warning, and this is where the density that ran is read. With a mass target it is
+    the density the scores needed.
+    """
+    from ditops.layers.sparse_attention import BlockSparseAttention
+
+    out: dict[str, dict[str, MaskDensity | None]] = {}
+    for name, model in _models_of(target).items():
+        found: dict[str, MaskDensity | None] = {}
+        for place, module in model.named_modules():
+            sparse = getattr(getattr(module, "processor", None), "sparse", None)
+            if isinstance(sparse, BlockSparseAttention):
+                found[place] = sparse.last_density()
+        out[name] = found
     return out
 
 

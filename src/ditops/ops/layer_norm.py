@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from ditops.backends.npu import NPU_LAYER_NORM
 from ditops.backends.triton import TRITON
 from ditops.core.calls import OpCall
-from ditops.core.checks import FLOATS, check_eps
+from ditops.core.checks import FLOATS, as_int, check_eps, dtype_name
 from ditops.core.op import CustomOp, register_op
 from ditops.core.paths import path
 from ditops.core.public import public_op
@@ -49,6 +49,53 @@ def _npu_reasons(c: LayerNormCall) -> list[str]:
     return []
 
 
+def normalized_dims(op: str, value: object) -> tuple[int, ...]:
+    """``normalized_shape`` as ``nn.LayerNorm`` takes it (an int, or a sequence of ints),
+    as a tuple; anything else is named, never printed (a tensor passed by mistake)."""
+    one = as_int(value)
+    if one is not None:
+        dims: tuple[object, ...] = (one,)
+    elif isinstance(value, (list, tuple, torch.Size)):
+        dims = tuple(value)
+    else:
+        what = (
+            f"a Tensor of shape {list(value.shape)}"
+            if isinstance(value, torch.Tensor)
+            else type(value).__name__
+        )
+        raise TypeError(
+            f"{op}: normalized_shape must be an int or a sequence of ints (the trailing "
+            f"dims of the input), got {what}"
+        )
+    out = tuple(as_int(d) for d in dims)
+    if not out or any(d is None or d < 0 for d in out):
+        shown = [type(d).__name__ if as_int(d) is None else d for d in dims]
+        raise ValueError(
+            f"{op}: normalized_shape must be one or more ints >= 0 (the trailing dims of "
+            f"the input), got {shown}"
+        )
+    return out  # type: ignore[return-value]
+
+
+def check_affine(
+    op: str, name: str, p: object, shape: tuple[int, ...], device: torch.device
+) -> None:
+    """A weight or bias: None, or a float tensor of ``normalized_shape`` on the input's
+    device (checked here, as the other ops do, rather than left to torch)."""
+    if p is None:
+        return
+    if not isinstance(p, torch.Tensor):
+        raise TypeError(f"{op}: {name} must be a tensor or None, got {type(p).__name__}")
+    if not p.is_floating_point():
+        raise TypeError(f"{op}: {name} has dtype {dtype_name(p.dtype)}; expected a float dtype")
+    if tuple(p.shape) != shape:
+        raise ValueError(
+            f"{op}: {name} must have shape {list(shape)} (normalized_shape), got {list(p.shape)}"
+        )
+    if p.device != device:
+        raise ValueError(f"{op}: {name} is on {p.device} but the input is on {device}")
+
+
 @register_op("fp32_layer_norm")
 class FP32LayerNormOp(CustomOp):
     """``fp32_layer_norm(x, normalized_shape, weight, bias, eps)``; see the module docstring."""
@@ -69,13 +116,16 @@ class FP32LayerNormOp(CustomOp):
                 f"{op}: input dtype {x.dtype} is not a floating point type; "
                 "expected float32, bfloat16 or float16"
             )
-        shape, k = tuple(normalized_shape), len(normalized_shape)
+        shape = normalized_dims(op, normalized_shape)
+        k = len(shape)
         if x.dim() < k or tuple(x.shape[x.dim() - k :]) != shape:
             raise ValueError(
                 f"{op}: input of shape {tuple(x.shape)} does not end in normalized_shape "
                 f"{shape}; expected trailing dims {shape}, "
                 f"got {tuple(x.shape[max(0, x.dim() - k) :])}"
             )
+        for name, p in (("weight", weight), ("bias", bias)):
+            check_affine(op, name, p, shape, x.device)
         w = None if weight is None else weight.float()
         b = None if bias is None else bias.float()
         return LayerNormCall(x, shape, w, b, check_eps(op, eps))

@@ -197,7 +197,7 @@ class AdaLNModulateOp(CustomOp):
 
     @path(
         "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
-        propagates_non_finite=True, reasons=one_dtype_reasons,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
     )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> torch.Tensor:
         # The meaning over the whole tensor on every intra-op thread, its product and sum
@@ -233,6 +233,7 @@ class AdaLNResidualOp(CustomOp):
     @path(
         precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
         propagates_non_finite=True, reasons=one_dtype_reasons,
+        fast_bits="native",  # the kernel gives eager's bits in both precisions
     )  # fmt: skip
     def forward_cpu(self, c: ModulationCall) -> torch.Tensor:
         from ditops.kernels.cpu.adaln import residual as kernel
@@ -241,7 +242,7 @@ class AdaLNResidualOp(CustomOp):
 
     @path(
         "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
-        propagates_non_finite=True, reasons=one_dtype_reasons,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
     )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> torch.Tensor:
         # The meaning's two ATen calls over the whole tensor, the product written into the
@@ -298,7 +299,7 @@ class AdaLNResidualModulateOp(CustomOp):
 
     @path(
         "cpu", precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True,
-        propagates_non_finite=True, reasons=one_dtype_reasons,
+        propagates_non_finite=True, reasons=one_dtype_reasons, fast_bits="native",
     )  # fmt: skip
     def forward_cpu_whole(self, c: ModulationCall) -> tuple[torch.Tensor, torch.Tensor]:
         # Both meanings over the whole tensor, products and sums in place (eager's bits):

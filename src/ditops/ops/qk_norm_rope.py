@@ -227,8 +227,8 @@ class RotaryEmbeddingOp(CustomOp):
     def forward_native(self, c: RopeCall) -> torch.Tensor:
         return native_rotary(c.x, c.cos3, c.sin3, c.layout)
 
-    @path(precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True)
-    def forward_cpu(self, c: RopeCall) -> torch.Tensor:
+    @path(precisions=("exact", "fast"), dtypes=FLOATS, inference_only=True, fast_bits="native")
+    def forward_cpu(self, c: RopeCall) -> torch.Tensor:  # eager's bits in both precisions
         from ditops.kernels.cpu.qk_norm_rope import rotary_embedding as kernel
 
         return kernel(c.x, c.cos3, c.sin3, c.layout)

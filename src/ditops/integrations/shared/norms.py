@@ -77,6 +77,15 @@ def swap_norms(model: nn.Module, record: PatchRecord, precision: str | None) -> 
         record.count("norms")
 
 
+def has_swappable_norms(model: nn.Module) -> bool:
+    """Whether :func:`swap_norms` has anything to act on in some precision (an
+    FP32LayerNorm, diffusers' or ditops', or a plain ``nn.LayerNorm``)."""
+    return any(
+        isinstance(m, FP32LayerNorm) or _is_fp32_layer_norm(m) or type(m) is nn.LayerNorm
+        for m in model.modules()
+    )
+
+
 class GenericFamily:
     """Any model: norms only."""
 
