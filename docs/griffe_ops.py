@@ -6,10 +6,14 @@ lacks it. This imports ditops (from ``src/`` when it is not installed) and gives
 public op's page entry its docstring as ``help()`` shows it, with two changes for the
 page: reST's ``Meaning::`` reads ``Meaning:``, and the entries of an indented section
 ("Shapes and dtypes:") become a list, one entry a line as in ``help()``.
+
+``ditops.patch``'s options default to a sentinel (``UNSET``: keep what an earlier patch
+set); its page shows the value a first patch takes instead, read from ``PatchOptions``.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import inspect
 import sys
@@ -56,3 +60,19 @@ class PublicOpDocstrings(griffe.Extension):
                 target = pkg[name].final_target
                 text = _for_the_page(inspect.cleandoc(fn.__doc__))
                 target.docstring = griffe.Docstring(text, parent=target)
+
+
+class PatchDefaults(griffe.Extension):
+    """``patch(norms=UNSET, ...)`` reads ``patch(norms=True, ...)`` on the page."""
+
+    def on_package(self, *, pkg: griffe.Module, **kwargs: object) -> None:
+        if pkg.name != "ditops":
+            return
+        _ditops()
+        from ditops.integrations.shared.base import PatchOptions
+
+        defaults = {f.name: f.default for f in dataclasses.fields(PatchOptions)}
+        target = pkg["patch"].final_target
+        for param in target.parameters:
+            if str(param.default) == "UNSET" and param.name in defaults:
+                param.default = repr(defaults[param.name])

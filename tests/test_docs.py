@@ -10,7 +10,7 @@ import pytest
 from torch import nn
 
 import ditops
-from ditops import docs_tables
+from ditops import docs_figures, docs_tables
 from ditops.custom_op import registered_ops
 from ditops.integrations import PatchError
 from ditops.integrations.patching import FAMILIES
@@ -146,3 +146,77 @@ def test_readme_is_a_front_page() -> None:
     assert len(readme) <= 16_000, f"README.md has {len(readme)} characters: move details"
     for page in re.findall(r"\]\((docs/[\w/-]+\.md)", readme):
         assert (ROOT / page).exists(), f"README.md links to {page}, which does not exist"
+
+
+@pytest.mark.parametrize("page", docs_tables.pages(ROOT), ids=lambda p: p.name)
+def test_page_snippets_are_current(page: Path) -> None:
+    """Lists of models and device kinds and the headline figures, wherever a page has
+    their markers, are what the declarations and ``benchmarks/`` say now."""
+    text = page.read_text()
+    assert text == docs_tables.with_snippets(text), f"{page.name} is stale: {REGENERATE}"
+
+
+def test_the_plot_is_current() -> None:
+    svg = (ROOT / docs_tables.SVG).read_text()
+    assert svg == docs_figures.svg(ROOT), f"{docs_tables.SVG} is stale: {REGENERATE}"
+
+
+def test_the_front_pages_list_models_and_figures_from_the_code() -> None:
+    readme, index = (ROOT / "README.md").read_text(), (DOCS / "index.md").read_text()
+    for name in ("models", "figures", "sparse-devices"):
+        assert f"<!-- {name}:begin -->" in readme
+    for name in ("models", "device-paths", "results"):
+        assert f"<!-- {name}:begin -->" in index
+    for name in ("sparse-models",):
+        assert f"<!-- {name}:begin -->" in (DOCS / "sparse-attention.md").read_text()
+        assert f"<!-- {name}:begin -->" in (DOCS / "usage.md").read_text()
+
+
+def test_every_declared_family_has_a_name_for_people() -> None:
+    declared = {f.name for f in FAMILIES if f.name != "generic"}
+    assert set(docs_tables.MODEL_NAMES) == declared, "name the new family in MODEL_NAMES"
+
+
+def test_every_family_has_a_row_in_what_each_model_gets() -> None:
+    """The hand-written table of docs/families.md (what is fused, what runs sparse, what
+    diffusers keeps) has a row naming each declared class."""
+    page = (DOCS / "families.md").read_text()
+    section = page[page.index("## What each model gets") : page.index("## The Wan-derived")]
+    missing = [c for f in FAMILIES for c in f.model_classes if f"`{c}`" not in section]
+    assert not missing, f"docs/families.md's 'What each model gets' lacks {missing}"
+
+
+def test_no_docstring_or_message_lists_families_by_hand() -> None:
+    """``patch``'s docstring points at the declarations instead of naming families, and
+    the refusal of sparse attention names exactly the declared classes."""
+    from ditops.integrations.shared.base import SPARSE_MODELS
+
+    doc = ditops.patch.__doc__ or ""
+    named = [n for n in ("Wan", "FLUX", "Hunyuan", "CogVideoX", "LTX", "Mochi") if n in doc]
+    assert not named, f"patch's docstring names families by hand: {named}"
+    declared = [c for f in FAMILIES if f.sparse_attention for c in f.model_classes]
+    assert declared == SPARSE_MODELS
+
+
+#: How the pages name each device kind (a new kind fails here until it is named).
+DEVICE_NAMES = {"cpu": "CPU", "cuda": "CUDA", "hip": "ROCm", "xpu": "XPU", "npu": "NPU",
+                "mps": "mps"}  # fmt: skip
+
+
+def test_the_readme_devices_section_names_every_device_kind() -> None:
+    from ditops.platform import DEVICE_KINDS
+
+    assert set(DEVICE_NAMES) == set(DEVICE_KINDS)
+    readme = (ROOT / "README.md").read_text()
+    section = readme[readme.index("## Devices") : readme.index("## Figures")]
+    missing = [k for k, name in DEVICE_NAMES.items() if name not in section]
+    assert not missing, f"README.md's Devices section does not name {missing}"
+
+
+@pytest.mark.parametrize("page", docs_tables.pages(ROOT), ids=lambda p: p.name)
+def test_inline_snippets_stay_inside_their_paragraph(page: Path) -> None:
+    """A line that opens with an HTML comment starts an HTML block in markdown, which cuts
+    the sentence around an inline list in two: its marker must follow text on its line."""
+    inline = [n for n in docs_tables.snippets() if n not in docs_tables.BLOCK_SNIPPETS]
+    starts = [n for n in inline if re.search(rf"^<!-- {n}:begin -->", page.read_text(), re.M)]
+    assert not starts, f"{page.name}: put the {starts} marker after text on its line"

@@ -1,6 +1,6 @@
 """The ``ditops`` command: ``info`` explains the dispatcher's choices, ``bench`` measures.
 
-ditops info [--json] [--verbose] [--precision fast|exact]
+ditops info [--json] [--verbose] [--tuned] [--precision fast|exact]
 ditops tune [wan] [--size ...] [--precision ...] [--dtype ...] [--device DEV] [--model PATH]
             [--force] | --clear
 ditops bench [SUITE ...] [--size small|full] [--dtype auto|bfloat16|float32] [--device DEV]
@@ -11,7 +11,6 @@ torchrun --nproc-per-node N -m ditops bench --parallel ulysses|ring|unified [--s
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Sequence
@@ -23,67 +22,12 @@ from ditops import config
 from ditops._version import __version__
 from ditops.bench.suite import glibc, run_in_other_malloc_state
 from ditops.core.checks import positive_seconds
-from ditops.core.explain import explain, table
-from ditops.platform import DEVICE_KINDS, platform_summary
 
 
 def _info(args: argparse.Namespace) -> int:
-    decisions = explain(precision=args.precision)
-    cfg = config.get()
-    payload: dict[str, Any] = {
-        "platform": platform_summary(),
-        "config": {
-            "DITOPS_CUSTOM_OPS": cfg.custom_ops.text,
-            "DITOPS_STRICT": cfg.strict,
-            "DITOPS_PRECISION": cfg.precision,
-            "DITOPS_TUNE": cfg.tune,
-        },
-        "precision": args.precision or cfg.precision,
-        "ops": [d.as_dict() for d in decisions],
-    }
-    from ditops.core import tune_report
+    from ditops import info
 
-    payload["tuning"], tuning_lines = tune_report.report(cfg)
-    if args.json:
-        print(json.dumps(payload, indent=2, default=str))
-        return 0
-    plat = payload["platform"]
-    print(f"torch {plat['torch']}  (cuda {plat['cuda_runtime']}, hip {plat['hip_runtime']})")
-    seen = ", ".join(f"{k}: {v}" for k, v in plat["visible_devices"].items())
-    print(f"visible devices: {seen}")
-    print("config: " + ", ".join(f"{k}={v}" for k, v in payload["config"].items()))
-    print(f"precision explained: {payload['precision']}\n")
-    for line in table(decisions, DEVICE_KINDS):
-        print(line)
-    print(
-        "\nA cell names the path each op takes for tensors of that device kind (one Triton path"
-        "\nserves cuda, hip and xpu); native: the meaning, no fast path exists; native*: a fast"
-        "\npath exists but cannot run here, for the reasons below; a/b: a for the calls it"
-        "\ntakes (dtype, shape: --verbose says which), b for the others."
-    )
-    # One line per (device kind, reasons): ops sharing a backend share its reasons.
-    why: dict[tuple[str, str], list[str]] = {}
-    for d in decisions:
-        for c in d.candidates:
-            if c.reasons and c.accepts:
-                why.setdefault((d.device_kind, "; ".join(c.reasons)), []).append(f"{d.op}.{c.path}")
-    if why:
-        print("\nnot used:")
-    for (kind, reasons), paths in why.items():
-        absent = "" if plat["visible_devices"].get(kind) else ", no such device here"
-        print(f"  {kind}{absent}: {', '.join(paths)}:\n      {reasons}")
-    if args.verbose:
-        print("\nwhat each fast path takes (per-call conditions):")
-        done: set[tuple[str, str]] = set()
-        for d in decisions:
-            for c in d.candidates:
-                if c.accepts and (d.op, c.path) not in done:
-                    done.add((d.op, c.path))
-                    print(f"  {d.op}.{c.path}: {c.accepts}")
-    else:
-        print("\n--verbose: also what each fast path takes (dtypes, precision, backend).")
-    print("\n" + "\n".join(tuning_lines))
-    return 0
+    return info.run(args)
 
 
 def _tune(args: argparse.Namespace) -> int:
@@ -121,12 +65,37 @@ def _bench(args: argparse.Namespace) -> int:
     if problem:  # before any benchmark runs: minutes of work never end in a traceback
         print(f"ditops bench: {problem}", file=sys.stderr)
         return 2
+    if args.quick:
+        return _bench_quick(args)
     if args.parallel:
         return _bench_parallel(args)
     from ditops.bench.load import busy_neighbour
 
     with busy_neighbour(args.busy):
         return _bench_suites(args)
+
+
+def _bench_quick(args: argparse.Namespace) -> int:
+    """``--quick``: the tiny offline pipelines of :mod:`ditops.bench.quick` (under a minute)."""
+    from ditops.bench import quick, tiny
+
+    other = [f for f, on in (("SUITE", args.suites), ("--model", args.model),
+                             ("--parallel", args.parallel)) if on]  # fmt: skip
+    if other:  # never silently ignored
+        print(f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    try:
+        tiny.require("diffusers", "transformers")
+    except tiny.MissingPackage as exc:
+        print(f"ditops bench --quick: {exc}", file=sys.stderr)
+        return 2
+    result = quick.run()
+    if args.json:
+        from ditops.bench.harness import write_json
+
+        write_json(args.json, result)
+    return 0 if result["bitwise"]["bitwise_equal"] else 1
 
 
 def _bench_suites(args: argparse.Namespace) -> int:
@@ -310,6 +279,13 @@ def _bench_wan(args: argparse.Namespace, device: torch.device) -> dict[str, Any]
     return result
 
 
+#: ``ditops --help``'s opening (plain text: argparse prints it as written).
+DESCRIPTION = (
+    "Fast, portable operators for diffusion-transformer inference. info: which path each op "
+    "takes on this machine, and why; bench: measure (bench --quick: a first run in under a "
+    "minute); tune: time a model's paths ahead."
+)
+
 #: The wan suite's plot when --plot is not given.
 WAN_PLOT = "ditops-bench-wan.png"
 
@@ -321,7 +297,7 @@ def _default_device() -> torch.device:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ditops", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="ditops", description=DESCRIPTION)
     parser.add_argument("--version", action="version", version=f"ditops {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     info = sub.add_parser("info", help="explain which path every op takes on every device kind")
@@ -334,6 +310,12 @@ def build_parser() -> argparse.ArgumentParser:
         choices=config.PRECISIONS,
         default=None,
         help="explain for this precision (default: DITOPS_PRECISION)",
+    )
+    info.add_argument(
+        "--tuned",
+        action="store_true",
+        help="also every tuned shape class (op, device kind, precision, dtypes, dims rounded "
+        "to powers of two), its winner and the times that chose it",
     )
     from ditops.bench.tune_model import add_arguments
 
@@ -398,6 +380,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="run with a busy neighbour: a process spinning on one core for the whole run",
     )
     bench.add_argument("--no-progress", action="store_true", help="no progress bar")
+    bench.add_argument(
+        "--quick",
+        action="store_true",
+        help="a first success in under a minute, offline: a tiny pipeline patched (frames "
+        "bitwise equal in exact precision), sparse steps' density and speedup, what next",
+    )
     bench.add_argument(
         "--malloc",
         choices=("both", "current"),

@@ -19,9 +19,9 @@
 ``DITOPS_CACHE_DIR``   Where the tuning cache lives: default ``$XDG_CACHE_HOME/ditops``,
                        else ``~/.cache/ditops`` (one that cannot be used is warned about:
                        choices stay in memory; ``ditops tune --clear`` resets it).
-``DITOPS_SGLANG``      ``1`` activates ditops' platform plug-in inside sglang's diffusion
-                       runtime (:mod:`ditops.integrations.sglang`); read by sglang's
-                       platform discovery in each of its processes. Default ``0``: an
+``DITOPS_SGLANG``      ``1`` activates ditops' plugin inside sglang's diffusion runtime
+                       (:mod:`ditops.integrations.sglang`; a general plugin, no platform
+                       slot); read in each of sglang's processes. Default ``0``: an
                        installed ditops never changes sglang on its own.
 =====================  ===================================================================
 
@@ -170,9 +170,9 @@ class Config:
 
 
 def sglang_enabled(environ: dict[str, str] | None = None) -> bool:
-    """``DITOPS_SGLANG``: whether ditops' sglang platform plug-in is switched on.
+    """``DITOPS_SGLANG``: whether ditops' sglang plugin is switched on.
 
-    Read afresh on each call (sglang asks once per process, when it picks its platform);
+    Read afresh on each call (sglang's plugin loader asks once per process, the hooks again);
     a value that is not a boolean raises :class:`ConfigError`.
     """
     env = os.environ if environ is None else environ

@@ -341,6 +341,7 @@ def test_offload_gives_the_unpatched_model_under_the_same_offload(
     the blocks and the output norm run diffusers' forward (the guard), saying why."""
     model = tiny_cogvideox()
     places = check_offload(tiny_cogvideox, inputs(model, batch=2), run, mode, order, tmp_path)
+    assert places.pop("").startswith("diffusers ")  # the model's line: the arithmetic matched
     assert set(places) == {"transformer_blocks.0", "transformer_blocks.1", "norm_out"}
     if mode in ("model", "group-block"):
         assert set(places.values()) == {"fused"}, places

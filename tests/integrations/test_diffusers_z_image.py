@@ -65,6 +65,8 @@ def tiny_z_image(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.normal_(1.0, 0.3)
+            elif "pad_token" in name:  # diffusers < 0.41 leaves them torch.empty: as 0.42
+                p.zero_()
     return model
 
 

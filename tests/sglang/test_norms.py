@@ -9,7 +9,13 @@ from sglang.multimodal_gen.runtime.layers import layernorm as ln
 
 import ditops
 from ditops.integrations.sglang import norms
-from tests.sglang.helpers import ditops_platform, native_expression, stock_cpu_platform, ulps
+from tests.sglang.helpers import (
+    ditops_platform,
+    native_expression,
+    pair,
+    stock_cpu_platform,
+    ulps,
+)
 
 B, F, HW, C = 2, 3, 4, 64
 L = F * HW
@@ -24,17 +30,7 @@ def _inference():
     assert not norms._warned, f"fell back to sglang's expression: {norms._warned}"
 
 
-def _pair(factory):
-    """The same module twice: under ditops' platform and under sglang's stock CPU one."""
-    with ditops_platform():
-        mine = factory()
-    with stock_cpu_platform():
-        ref = factory()
-    torch.manual_seed(1)
-    for p in mine.parameters():
-        p.data.normal_()
-    ref.load_state_dict(mine.state_dict())
-    return mine, ref
+_pair = pair
 
 
 def test_forwards_are_bound_to_ditops_under_its_platform_only() -> None:

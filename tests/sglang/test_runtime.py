@@ -1,6 +1,6 @@
-"""sglang's own runtime with ditops: the platform sglang picks with and without the switch,
-a tiny sglang Wan DiT forward (fp32, bitwise against sglang's native expression), and
-sglang's ``DiffGenerator`` on a tiny Wan checkpoint written here, dense and sparse."""
+"""sglang's own runtime with ditops: a tiny sglang Wan DiT forward (fp32, bitwise against
+sglang's native expression), and sglang's ``DiffGenerator`` on a tiny Wan checkpoint
+written here, dense and sparse."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from tests.sglang.helpers import current_platform, ditops_platform, native_expression
+from tests.sglang.helpers import current_platform, ditops_platform, native_expression, switch
 from tests.sglang.tiny_wan import write_tiny_wan
 
 HERE = Path(__file__).parent
@@ -34,21 +34,6 @@ def _env(switch: str | None) -> dict[str, str]:
     return env
 
 
-@pytest.mark.parametrize(
-    ("switch", "expected"),
-    [(None, "CpuPlatform"), ("1", "DitopsCpuPlatform")],
-)
-def test_sglang_picks_ditops_only_with_the_switch(switch: str | None, expected: str) -> None:
-    code = (
-        "from sglang.multimodal_gen.runtime.platforms import current_platform as p\n"
-        "print(type(p).__name__, p.is_cpu(), p.is_out_of_tree())\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code], env=_env(switch), capture_output=True, text=True, check=True
-    ).stdout.split()
-    assert out[-3:] == [expected, "True", str(expected != "CpuPlatform")]
-
-
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_wan(tmp_path_factory.mktemp("tiny_wan"))
@@ -61,12 +46,14 @@ def wan_pair(checkpoint: Path):
     from sglang.multimodal_gen.configs.models.dits.wanvideo import WanVideoConfig
     from sglang.multimodal_gen.runtime.distributed import parallel_state
     from sglang.multimodal_gen.runtime.models.dits.wanvideo import WanTransformer3DModel
+    from sglang.multimodal_gen.runtime.platforms import PlatformEnum
+    from sglang.multimodal_gen.runtime.platforms.cpu import CpuPlatform
     from sglang.multimodal_gen.runtime.server_args import ServerArgs, set_global_server_args
     from sglang.multimodal_gen.runtime.server_args import server_args as module
 
-    from ditops.integrations.sglang import platform as plugin
+    class NativePlatform(CpuPlatform):  # out of tree, nothing under "native": forward_oot
+        _enum = PlatformEnum.OOT
 
-    class NativePlatform(plugin.DitopsCpuPlatform):  # registers nothing under "native"
         def get_dispatch_key_name(self) -> str:
             return "native"
 
@@ -83,7 +70,7 @@ def wan_pair(checkpoint: Path):
 
     with ditops_platform():
         mine = build()
-    with current_platform(NativePlatform()):
+    with current_platform(NativePlatform()), switch(False):
         ref = build()
     g = torch.Generator().manual_seed(0)
     for p in mine.parameters():
@@ -108,7 +95,7 @@ def test_tiny_wan_dit_forward_is_sglang_s_native_expression_in_fp32(wan_pair) ->
     with torch.no_grad(), set_forward_context(current_timestep=0, attn_metadata=None):
         with ditops_platform():
             out = mine(x, context, t)
-        with current_platform(native()), native_expression():
+        with current_platform(native()), switch(False), native_expression():
             want = ref(x, context, t)
     assert torch.isfinite(out).all() and torch.equal(out, want)
 
@@ -118,7 +105,7 @@ def test_stock_sglang_stops_at_the_first_norm_on_this_cpu(wan_pair) -> None:
     from sglang.multimodal_gen.runtime.layers import layernorm as ln
     from sglang.multimodal_gen.runtime.platforms.cpu import CpuPlatform
 
-    with current_platform(CpuPlatform()):
+    with current_platform(CpuPlatform()), switch(False):
         norm = ln.LayerNormScaleShift(64, eps=1e-6)
         x = torch.randn(1, 4, 64)
         with pytest.raises((AttributeError, ModuleNotFoundError), match="sgl_kernel"):

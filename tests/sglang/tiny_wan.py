@@ -1,7 +1,8 @@
 """A tiny Wan 2.1 text-to-video checkpoint in diffusers' layout, written at test time.
 
 sglang picks its pipeline config from the folder's name, so the checkpoint lives in a
-folder named like the real one (``.../Wan2.1-T2V-1.3B-Diffusers``). Parts: a 2-layer
+folder named like the real one (``.../Wan2.1-T2V-1.3B-Diffusers``; Wan 2.2's two-expert
+``Wan2.2-T2V-A14B-Diffusers`` with ``experts=2``). Parts: a 2-layer
 ``WanTransformer3DModel`` (dim 64, 2 heads), a small ``AutoencoderKLWan``, a 2-layer
 UMT5 encoder, a word-level tokenizer, UniPC. Random weights with a fixed seed: the
 frames mean nothing, the arithmetic is all there. Written in a few seconds.
@@ -19,33 +20,41 @@ PROMPT = "a red cat runs in the snow"
 TEXT_DIM = 32
 
 
-def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int = 2) -> Path:
-    """Write the checkpoint under ``root`` and return its folder."""
-    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler, WanTransformer3DModel
+def write_tiny_wan(
+    root: Path,
+    layers: int = 2,
+    dim_head: int = 32,
+    heads: int = 2,
+    name: str = "Wan2.1-T2V-1.3B-Diffusers",
+    experts: int = 1,
+    ti2v: bool = False,
+    i2v: bool = False,
+) -> Path:
+    """Write the checkpoint under ``root`` and return its folder. ``experts=2`` writes
+    Wan 2.2 A14B's layout (``transformer_2``, the low-noise expert; name it
+    ``Wan2.2-T2V-A14B-Diffusers``); ``ti2v=True`` Wan 2.2 TI2V-5B's (its 48-channel
+    residual VAE with a 2x2 patch, 16x spatial; name it ``Wan2.2-TI2V-5B-Diffusers``);
+    ``i2v=True`` Wan 2.1 I2V's (a CLIP vision encoder whose tokens the blocks attend to;
+    name it ``Wan2.1-I2V-14B-480P-Diffusers``)."""
+    from diffusers import AutoencoderKLWan, UniPCMultistepScheduler
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast, UMT5Config, UMT5EncoderModel
 
-    path = root / "Wan2.1-T2V-1.3B-Diffusers"
+    path = root / name
     torch.manual_seed(0)
-    WanTransformer3DModel(
-        patch_size=(1, 2, 2),
-        num_attention_heads=heads,
-        attention_head_dim=dim_head,
-        in_channels=16,
-        out_channels=16,
-        text_dim=TEXT_DIM,
-        freq_dim=32,
-        ffn_dim=128,
-        num_layers=layers,
-        cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads",
-        eps=1e-6,
-        rope_max_seq_len=64,
-    ).save_pretrained(path / "transformer")
-    AutoencoderKLWan(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-        temperal_downsample=[False, True, True],
-    ).save_pretrained(path / "vae")  # fmt: skip
+    for folder in ("transformer", "transformer_2")[:experts]:
+        _transformer(heads, dim_head, layers, 48 if ti2v else 16, i2v).save_pretrained(
+            path / folder
+        )
+    vae = dict(base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+               temperal_downsample=[False, True, True])  # fmt: skip
+    if ti2v:
+        vae.update(
+            z_dim=48, decoder_base_dim=16, is_residual=True, in_channels=12, out_channels=12,
+            patch_size=2, scale_factor_spatial=16, latents_mean=[0.0] * 48,
+            latents_std=[1.0] * 48,
+        )  # fmt: skip
+    AutoencoderKLWan(**vae).save_pretrained(path / "vae")
     UMT5EncoderModel(
         UMT5Config(
             vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2,
@@ -60,7 +69,41 @@ def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int =
     UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0
     ).save_pretrained(path / "scheduler")
-    index = {
+    index = _index()
+    if i2v:
+        _image_encoder(path)
+        index["_class_name"] = "WanImageToVideoPipeline"
+        index["image_encoder"] = ["transformers", "CLIPVisionModel"]
+        index["image_processor"] = ["transformers", "CLIPImageProcessor"]
+    if experts == 2:
+        index["transformer_2"] = ["diffusers", "WanTransformer3DModel"]
+        index["boundary_ratio"] = 0.875
+    (path / "model_index.json").write_text(json.dumps(index, indent=1))
+    return path
+
+
+def _image_encoder(path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+    from transformers import CLIPImageProcessor, CLIPVisionConfig, CLIPVisionModel
+
+    CLIPVisionModel(
+        CLIPVisionConfig(
+            hidden_size=TEXT_DIM, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=2, image_size=32, patch_size=16, projection_dim=TEXT_DIM,
+        )
+    ).save_pretrained(path / "image_encoder")  # fmt: skip
+    file = path / "image_encoder" / "model.safetensors"
+    weights = load_file(file)  # released checkpoints (and sglang) name them vision_model.*
+    if not next(iter(weights)).startswith("vision_model."):
+        weights = {"vision_model." + k: v for k, v in weights.items()}
+        save_file(weights, file, metadata={"format": "pt"})
+    CLIPImageProcessor(
+        size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32}
+    ).save_pretrained(path / "image_processor")
+
+
+def _index() -> dict[str, object]:
+    return {
         "_class_name": "WanPipeline",
         "_diffusers_version": "0.37.0",
         "transformer": ["diffusers", "WanTransformer3DModel"],
@@ -69,8 +112,28 @@ def write_tiny_wan(root: Path, layers: int = 2, dim_head: int = 32, heads: int =
         "tokenizer": ["transformers", "PreTrainedTokenizerFast"],
         "scheduler": ["diffusers", "UniPCMultistepScheduler"],
     }
-    (path / "model_index.json").write_text(json.dumps(index, indent=1))
-    return path
+
+
+def _transformer(heads: int, dim_head: int, layers: int, channels: int, i2v: bool = False):
+    from diffusers import WanTransformer3DModel
+
+    image = {"image_dim": TEXT_DIM, "added_kv_proj_dim": heads * dim_head} if i2v else {}
+    return WanTransformer3DModel(
+        **image,
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=dim_head,
+        in_channels=36 if i2v else channels,  # I2V: noise, the image's latents, a mask
+        out_channels=channels,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=128,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    )
 
 
 if __name__ == "__main__":

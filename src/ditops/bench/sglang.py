@@ -1,7 +1,9 @@
 """Benchmark ``ditops bench sglang``: the bench Wan (:data:`ditops.bench.wan_model.DEFAULT_CONFIG`,
 the ``wan`` suite's latent) as sglang's own ``WanTransformer3DModel``, run by sglang's
-stock platform for the host and by ditops' platform, dense and with ditops'
-``block_sparse_attn``, in one run with the variants interleaved per step.
+stock platform for the host without and with ditops' plugin, dense and with ditops'
+``block_sparse_attn``, in one run with the variants interleaved per step; then the
+per-call overhead of ditops' forwards against sglang's own at small sizes (q/k-norm
+``RMSNorm``, ``MulAdd``, ``FP32LayerNorm``), interleaved, median of many calls.
 
 Needs sglang's environment (``.ci/sglang`` builds one; 0.5.21 tested). Stock sglang on a
 CPU stops at the first norm (its CPU path calls a CPU build of sgl-kernel no registry
@@ -47,7 +49,27 @@ def _setup(device: torch.device, tmp: str) -> Any:
     return args
 
 
-def _build(platform: Any, args: Any, backend: str | None, dtype, device) -> torch.nn.Module:
+def _install_plugin() -> None:
+    """ditops' hooks applied in this process as sglang's plugin loader applies them; each
+    model is built with them on or off (:func:`_switch`)."""
+    from sglang.multimodal_gen.runtime.platforms.plugins import HookRegistry
+
+    from ditops.integrations.sglang.plugin import CUSTOM_OP, register_hooks
+
+    if CUSTOM_OP not in HookRegistry._patched:
+        register_hooks()
+        HookRegistry.apply_hooks()
+
+
+def _switch(on: bool) -> Any:
+    from ditops.integrations.sglang.plugin import forced
+
+    return forced(on)
+
+
+def _build(
+    platform: Any, args: Any, backend: str | None, dtype, device, ditops: bool
+) -> torch.nn.Module:
     from sglang.multimodal_gen.configs.models.dits.wanvideo import WanVideoConfig
     from sglang.multimodal_gen.runtime import platforms
     from sglang.multimodal_gen.runtime.models.dits.wanvideo import WanTransformer3DModel
@@ -56,9 +78,10 @@ def _build(platform: Any, args: Any, backend: str | None, dtype, device) -> torc
     args.attention_backend_config = dict(SPARSE) if backend else {}
     saved, platforms._current_platform = platforms._current_platform, platform
     try:
-        config = WanVideoConfig()
-        config.update_model_arch(dict(DEFAULT_CONFIG))
-        model = WanTransformer3DModel(config, dict(DEFAULT_CONFIG))
+        with _switch(ditops):
+            config = WanVideoConfig()
+            config.update_model_arch(dict(DEFAULT_CONFIG))
+            model = WanTransformer3DModel(config, dict(DEFAULT_CONFIG))
     finally:
         platforms._current_platform = saved
     return model.to(device, dtype).eval()
@@ -84,23 +107,20 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
             "build its environment with .ci/sglang"
         ) from error
     from sglang.multimodal_gen.runtime.managers.forward_context import set_forward_context
+    from sglang.multimodal_gen.runtime.platforms import current_platform
     from sglang.multimodal_gen.runtime.server_args import server_args as module
-
-    from ditops.integrations.sglang import platform as plugin
 
     dtype = dtype or default_dtype(device)
     latent = [1, DEFAULT_CONFIG["in_channels"], *LATENTS[size][2:]]
-    kind = plugin.host_kind()
-    stock_cls = plugin.builtin_class(kind)
-    mine = getattr(plugin, plugin.KINDS[kind][2])()
-    mine.init_backend()
+    _install_plugin()
+    platform = current_platform  # sglang's platform for this host, built in
     saved = module._global_server_args
     with tempfile.TemporaryDirectory() as tmp:
         args = _setup(device, tmp)
         models = {
-            "stock": _build(stock_cls(), args, None, dtype, device),
-            "ditops dense": _build(mine, args, None, dtype, device),
-            "ditops sparse": _build(mine, args, "block_sparse_attn", dtype, device),
+            "stock": _build(platform, args, None, dtype, device, False),
+            "ditops dense": _build(platform, args, None, dtype, device, True),
+            "ditops sparse": _build(platform, args, "block_sparse_attn", dtype, device, True),
         }
         state = models["stock"].state_dict()
         g = torch.Generator().manual_seed(0)
@@ -154,4 +174,58 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
             print(f"  {row['variant']:<14} fails: {row['failed']}")
         else:
             print(f"  {row['variant']:<14} {row['seconds']:8.3f} s  {row['speedup']:.2f}x")
-    return {"rows": rows, "latent": latent, "dtype": str(dtype), "sparse": SPARSE, "base": base}
+    overhead = _overhead(platform, dtype)
+    print("  per call (median us), sglang's own forward vs ditops':")
+    for name, (own, ours) in overhead.items():
+        print(f"  {name:<34} {own:8.1f} {ours:8.1f}  {ours - own:+7.1f}")
+    return {
+        "rows": rows, "latent": latent, "dtype": str(dtype), "sparse": SPARSE, "base": base,
+        "overhead_us": overhead,
+    }  # fmt: skip
+
+
+def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str, tuple]:
+    """Median microseconds per call of sglang's own forward (its platform's where that runs,
+    else ``forward_native``) and of ditops', at sizes where Python work dominates."""
+    import torch._dynamo
+    from sglang.multimodal_gen.runtime import platforms
+    from sglang.multimodal_gen.runtime.layers import layernorm as ln
+    from sglang.multimodal_gen.runtime.layers.elementwise import MulAdd
+
+    cases = {
+        "RMSNorm q/k [1, 256, 128]": (lambda: ln.RMSNorm(128), (torch.randn(1, 256, 128),)),
+        "MulAdd [1, 256, 256]": (
+            MulAdd,
+            (torch.randn(1, 256, 256), torch.randn(1, 1, 256), torch.randn(1, 256, 256)),
+        ),
+        "FP32LayerNorm [1, 256, 256]": (
+            lambda: ln.FP32LayerNorm(256, elementwise_affine=True),
+            (torch.randn(1, 256, 256),),
+        ),
+    }
+    out = {}
+    saved, platforms._current_platform = platforms._current_platform, platform
+    try:
+        for name, (factory, inputs) in cases.items():
+            with _switch(False):
+                own = factory()
+            with _switch(True):
+                ours = factory()
+            xs = [t.to(dtype) for t in inputs]
+            try:
+                own(*xs)
+            except (AttributeError, ModuleNotFoundError, RuntimeError):  # sgl_kernel absent
+                own._forward_method = own.forward_native
+            times: dict[str, list[float]] = {"own": [], "ours": []}
+            # sglang's forward_native bodies carry torch.compile: eager, as sglang's CPU
+            # platform runs them (dynamo's per-call guard cost is not the op's).
+            with torch.no_grad(), torch._dynamo.config.patch(disable=True):
+                for _ in range(calls):
+                    for key, module in (("own", own), ("ours", ours)):
+                        start = time.perf_counter()
+                        module(*xs)
+                        times[key].append(time.perf_counter() - start)
+            out[name] = tuple(sorted(t)[len(t) // 2] * 1e6 for t in times.values())
+    finally:
+        platforms._current_platform = saved
+    return out

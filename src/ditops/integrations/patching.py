@@ -1,7 +1,7 @@
 """``ditops.patch`` / ``ditops.unpatch``: make a diffusers model faster in place, and undo it.
 
-:func:`patch` finds the model family (:data:`FAMILIES`, first match wins: Wan, FLUX, FLUX.2,
-Mochi, HunyuanVideo, HunyuanVideo-1.5, then the generic norm swap), has it check the model (a
+:func:`patch` finds the model family (:data:`FAMILIES`, first match wins; the last, the
+generic norm swap, takes any model), has it check the model (a
 model that does not match what the patch expects is refused whole, nothing changed) and
 apply the patch, recording every change on the model (``model._ditops_patch``, see
 :mod:`ditops.integrations.shared.base`).
@@ -42,7 +42,7 @@ from ditops.integrations.shared.base import (
     PatchOptions,
     PatchRecord,
 )
-from ditops.integrations.shared.family import DeclaredFamily
+from ditops.integrations.shared.family import ARITHMETIC, DeclaredFamily
 from ditops.integrations.shared.norms import GenericFamily, has_swappable_norms
 from ditops.integrations.shared.steps import StepState
 from ditops.integrations.wan.family import SPEC as WAN
@@ -198,12 +198,14 @@ def patch(
     Args:
         target: a model (``nn.Module``, or ``torch.compile``'s wrapper of one) or a
             pipeline (its ``transformer*`` components).
-        norms: swap norms and, on Wan (and the Wan-derived models), FLUX and
-            HunyuanVideo(-1.5), fuse each block's modulation chain and attention
+        norms: swap norms and, on the families that declare fused blocks (every family
+            but the generic one), fuse each block's modulation chain and attention
             prologue (default True).
         attention: ``None`` (dense attention as it is; the default) or a
-            :class:`ditops.BlockSparseConfig` for the self-attention of Wan (and the
-            Wan-derived models) and HunyuanVideo(-1.5).
+            :class:`ditops.BlockSparseConfig` for the self-attention of the families that
+            declare it (the "sparse self-attention" column of the docs' families table,
+            written from the declarations); the others refuse it, naming the model
+            classes that take it.
         precision: ``"exact"``, ``"fast"`` or ``None`` (follow ``DITOPS_PRECISION`` per
             call; the default).
 
@@ -277,7 +279,9 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
     """Where each patched model runs fused now, and where not and why.
 
     Asked now, not when patched: hooks, offloading and modules set since count. Returns
-    ``{model: {place: "fused" | reason}}`` (places as in ``named_modules``).
+    ``{model: {place: "fused" | reason}}`` (places as in ``named_modules``), and under the
+    place ``""`` (the model itself) the diffusers installed and whose arithmetic each
+    relied-on function was matched to (``"diffusers 0.42.1: arithmetic of 0.42"``).
     """
     out: dict[str, dict[str, str]] = {}
     for name, model in _models_of(target).items():
@@ -288,8 +292,25 @@ def explain_patch(target: Any) -> dict[str, dict[str, str]]:
         places = {place: why for place, why in record.unfused.items()}
         for place, (module, bypass) in record.targets.items():
             places[place] = bypass.problem(module) or "fused"
+        matched = vars(model).get(ARITHMETIC)
+        if matched:
+            places[""] = _arithmetic_line(matched)
         out[name] = dict(sorted(places.items()))
     return out
+
+
+def _arithmetic_line(matched: dict[str, str]) -> str:
+    """``"diffusers 0.42.1: arithmetic of 0.42"`` (each variant with its functions when
+    more than one was matched)."""
+    import diffusers
+
+    by: dict[str, list[str]] = {}
+    for label, release in matched.items():
+        by.setdefault(release, []).append(label)
+    if len(by) == 1:
+        return f"diffusers {diffusers.__version__}: arithmetic of {next(iter(by))}"
+    parts = "; ".join(f"of {r} for {', '.join(labels)}" for r, labels in sorted(by.items()))
+    return f"diffusers {diffusers.__version__}: arithmetic {parts}"
 
 
 def sparse_densities(target: Any) -> dict[str, dict[str, MaskDensity | None]]:

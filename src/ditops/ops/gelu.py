@@ -78,7 +78,7 @@ def gelu_tanh_bias(x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.T
 
     Meaning::
 
-        F.gelu((x + bias).to(x.dtype), approximate="tanh")   # bias None: F.gelu(x, ...)
+        F.gelu((x + bias).to(x.dtype), approximate="tanh")  # bias None: F.gelu(x)
 
     Run the Linear without its bias (``F.linear(h, proj.weight)``), then this op with
     ``proj.bias``: the add and the activation are one pass over the activations.

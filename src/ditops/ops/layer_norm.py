@@ -167,7 +167,8 @@ def fp32_layer_norm(
 
     Meaning::
 
-        F.layer_norm(x.float(), normalized_shape, weight.float(), bias.float(), eps).to(x.dtype)
+        F.layer_norm(x.float(), normalized_shape, weight.float(), bias.float(),
+                     eps).to(x.dtype)
 
     The module users put in models is :class:`ditops.FP32LayerNorm`.
 

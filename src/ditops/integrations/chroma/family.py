@@ -59,7 +59,7 @@ from ditops.integrations.chroma.forwards import (
 )
 from ditops.integrations.flux.family import qk_norm_problems
 from ditops.integrations.flux.forwards import FusedFluxAttnProcessor
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import adaln_ops
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
@@ -68,6 +68,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 
 
 def _relied_on() -> Relied:
@@ -78,12 +79,13 @@ def _relied_on() -> Relied:
 
     return {
         "ChromaAdaLayerNormZeroPruned.forward": (
-            tc.ChromaAdaLayerNormZeroPruned.forward, {"0bc7fbb4138b05b8": DIFFUSERS_042}
+            tc.ChromaAdaLayerNormZeroPruned.forward, known("ChromaAdaLayerNormZeroPruned.forward")
         ),
         "ChromaAdaLayerNormZeroSinglePruned.forward": (
-            tc.ChromaAdaLayerNormZeroSinglePruned.forward, {"e868200e7a3271ea": DIFFUSERS_042}
+            tc.ChromaAdaLayerNormZeroSinglePruned.forward,
+            known("ChromaAdaLayerNormZeroSinglePruned.forward"),
         ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
     }  # fmt: skip
 
 
@@ -129,20 +131,22 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("ChromaTransformerBlock.forward", {"77f6d90344e0abb3": DIFFUSERS_042},
+            (Fused("ChromaTransformerBlock.forward", known("ChromaTransformerBlock.forward"),
                    double_block_forward, DOUBLE_BYPASSES, unfused=_double_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
         Blocks(
             ("single_transformer_blocks",),
-            (Fused("ChromaSingleTransformerBlock.forward", {"02ed30258b6c5be1": DIFFUSERS_042},
+            (Fused("ChromaSingleTransformerBlock.forward",
+                   known("ChromaSingleTransformerBlock.forward"),
                    single_block_forward, SINGLE_BYPASSES, unfused=_single_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
         Blocks(
             ("norm_out",),
             (Fused("ChromaAdaLayerNormContinuousPruned.forward",
-                   {"3b60e12131dfffe6": DIFFUSERS_042}, norm_out_forward, NORM_OUT_BYPASSES,
+                   known("ChromaAdaLayerNormContinuousPruned.forward"), norm_out_forward,
+                   NORM_OUT_BYPASSES,
                    unfused=_norm_out_unfused, kind="output norm"),),
             required=True,
         ),
@@ -150,7 +154,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedFluxAttnProcessor.wraps: FusedFluxAttnProcessor},
-        {"80975ab2f153f684": DIFFUSERS_042},
+        known("FluxAttnProcessor.__call__"),
         keep_others=True,  # IP-Adapter's (or the user's) stay; the blocks are fused
     ),
     relied_on=_relied_on,

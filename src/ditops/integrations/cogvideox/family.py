@@ -74,7 +74,6 @@ from ditops.integrations.cogvideox.forwards import (
     cogvideox_ops,
     norm_out_forward,
 )
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import (
     Attention,
     Blocks,
@@ -83,6 +82,7 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
+from ditops.integrations.shared.fingerprints import known
 
 
 def _relied_on() -> Relied:
@@ -93,14 +93,14 @@ def _relied_on() -> Relied:
 
     return {
         "CogVideoXLayerNormZero.forward": (
-            normalization.CogVideoXLayerNormZero.forward, {"7d71688946c051fa": DIFFUSERS_042}
+            normalization.CogVideoXLayerNormZero.forward, known("CogVideoXLayerNormZero.forward")
         ),
         "AdaLayerNorm.forward": (
-            normalization.AdaLayerNorm.forward, {"5eb16051b99987dd": DIFFUSERS_042}
+            normalization.AdaLayerNorm.forward, known("AdaLayerNorm.forward")
         ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
         "CogVideoXPatchEmbed.forward": (
-            embeddings.CogVideoXPatchEmbed.forward, {"f6d40c1904e3da4a": DIFFUSERS_042}
+            embeddings.CogVideoXPatchEmbed.forward, known("CogVideoXPatchEmbed.forward")
         ),
     }  # fmt: skip
 
@@ -163,13 +163,13 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("CogVideoXBlock.forward", {"4691f4fd0211821d": DIFFUSERS_042},
+            (Fused("CogVideoXBlock.forward", known("CogVideoXBlock.forward"),
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attn1"),),
             required=True,
         ),
         Blocks(
             ("norm_out",),
-            (Fused("AdaLayerNorm.forward", {"5eb16051b99987dd": DIFFUSERS_042},
+            (Fused("AdaLayerNorm.forward", known("AdaLayerNorm.forward"),
                    norm_out_forward, NORM_OUT_BYPASSES, unfused=_norm_out_problems,
                    kind="output norm"),),
             norms_only=True,
@@ -178,7 +178,7 @@ SPEC = FamilySpec(
     ops=cogvideox_ops,
     attention=Attention(
         {CogVideoXAttnProcessor.wraps: CogVideoXAttnProcessor},
-        {"e05d19adb3d69e29": DIFFUSERS_042},
+        known("CogVideoXAttnProcessor2_0.__call__"),
         keep_others=True,  # diffusers' fused-QKV processor (or the user's) stays
     ),
     sparse=Sparse(_patch_size, context_parallel=False),  # its processor calls SDPA itself

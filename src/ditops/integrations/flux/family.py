@@ -59,7 +59,6 @@ from ditops.integrations.flux.forwards import (
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_blocks,
     relied_on_norms,
@@ -73,6 +72,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 
 
 def _relied_on() -> Relied:
@@ -82,7 +82,7 @@ def _relied_on() -> Relied:
 
     return {
         **relied_on_norms(),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
     }  # fmt: skip
 
 
@@ -134,13 +134,14 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("FluxTransformerBlock.forward", {"89e3052fb2a6327e": DIFFUSERS_042},
+            (Fused("FluxTransformerBlock.forward", known("FluxTransformerBlock.forward"),
                    double_block_forward, DOUBLE_BYPASSES, unfused=_double_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
         Blocks(
             ("single_transformer_blocks",),
-            (Fused("FluxSingleTransformerBlock.forward", {"bdc8d269208a5dcc": DIFFUSERS_042},
+            (Fused("FluxSingleTransformerBlock.forward",
+                   known("FluxSingleTransformerBlock.forward"),
                    single_block_forward, SINGLE_BYPASSES, unfused=_single_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
@@ -149,7 +150,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedFluxAttnProcessor.wraps: FusedFluxAttnProcessor},
-        {"80975ab2f153f684": DIFFUSERS_042},
+        known("FluxAttnProcessor.__call__"),
         keep_others=True,  # IP-Adapter's (or the user's) stays; the blocks are fused
     ),
     relied_on=_relied_on,

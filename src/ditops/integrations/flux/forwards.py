@@ -15,6 +15,7 @@ from torch import nn
 
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
 from ditops.integrations.shared.base import DenseProcessor
+from ditops.integrations.shared.fingerprints import arithmetic_of
 from ditops.integrations.shared.guard import Bypass, float64_call
 from ditops.integrations.shared.ops import Ops
 
@@ -236,7 +237,7 @@ class FusedFluxAttnProcessor(DenseProcessor):
             value,
             attn_mask=attention_mask,
             backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+            **self._parallel_kwargs(),
         )
         hidden_states = hidden_states.flatten(2, 3).to(query.dtype)
         if encoder_hidden_states is None:
@@ -248,6 +249,11 @@ class FusedFluxAttnProcessor(DenseProcessor):
             ],
             dim=1,
         )
+        if arithmetic_of(type(self.original).__call__, "FluxAttnProcessor.__call__") == "0.36":
+            # diffusers 0.35-0.36 hand the output projections the split views as they are
+            return attn.to_out[1](attn.to_out[0](hidden_states)), attn.to_add_out(
+                encoder_hidden_states
+            )
         hidden_states = attn.to_out[0](hidden_states.contiguous())
         hidden_states = attn.to_out[1](hidden_states)
         encoder_hidden_states = attn.to_add_out(encoder_hidden_states.contiguous())

@@ -79,7 +79,6 @@ from ditops.integrations.flux2.forwards import (
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_blocks,
 )
@@ -91,6 +90,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 
 
 def _relied_on() -> Relied:
@@ -99,7 +99,7 @@ def _relied_on() -> Relied:
     from diffusers.models import embeddings
 
     return {
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
     }  # fmt: skip
 
 
@@ -129,13 +129,14 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("Flux2TransformerBlock.forward", {"6cf13c8aa172aa06": DIFFUSERS_042},
+            (Fused("Flux2TransformerBlock.forward", known("Flux2TransformerBlock.forward"),
                    double_block_forward, DOUBLE_BYPASSES, unfused=_double_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
         Blocks(
             ("single_transformer_blocks",),
-            (Fused("Flux2SingleTransformerBlock.forward", {"75ec3670988e9c8a": DIFFUSERS_042},
+            (Fused("Flux2SingleTransformerBlock.forward",
+                   known("Flux2SingleTransformerBlock.forward"),
                    single_block_forward, SINGLE_BYPASSES, unfused=_single_unfused,
                    attention="attn", prologue=qk_norm_problems),),
         ),
@@ -145,7 +146,8 @@ SPEC = FamilySpec(
     attention=Attention(
         {FusedFlux2AttnProcessor.wraps: FusedFlux2AttnProcessor,
          FusedFlux2ParallelSelfAttnProcessor.wraps: FusedFlux2ParallelSelfAttnProcessor},
-        {"17fe65de93c8e3e3": DIFFUSERS_042, "906481f0d88eac76": DIFFUSERS_042},
+        {**known("Flux2AttnProcessor.__call__"),
+         **known("Flux2ParallelSelfAttnProcessor.__call__")},
         keep_others=True,  # the KV-cache processors (or the user's) stay; blocks fused
     ),
     relied_on=_relied_on,

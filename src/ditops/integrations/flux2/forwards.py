@@ -138,7 +138,7 @@ class _Flux2Processor(DenseProcessor):
             value,
             attn_mask=attention_mask,
             backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+            **self._parallel_kwargs(),
         )
         return out.flatten(2, 3).to(query.dtype)  # type: ignore[no-any-return]
 

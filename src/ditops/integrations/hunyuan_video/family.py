@@ -60,7 +60,6 @@ from ditops.integrations.hunyuan_video.forwards import (
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_forward,
     norm_out_problems,
@@ -76,10 +75,11 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.guard import forward_wrapper_problem
 
 #: ``HunyuanVideoTransformerBlock.forward`` (HunyuanVideo-1.5's block is the same code).
-DOUBLE = {"2905bc608785d8af": DIFFUSERS_042}
+DOUBLE = known("HunyuanVideoTransformerBlock.forward")
 
 
 def relied_on() -> Relied:
@@ -90,8 +90,8 @@ def relied_on() -> Relied:
 
     return {
         **relied_on_norms(),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, {"189bf9067f37ce92": DIFFUSERS_042}),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
+        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
     }  # fmt: skip
 
 
@@ -145,7 +145,7 @@ NORM_OUT = Blocks(
     (
         Fused(
             "AdaLayerNormContinuous.forward",
-            {"6774475aefc7c86f": DIFFUSERS_042},
+            known("AdaLayerNormContinuous.forward"),
             norm_out_forward,
             ("norm",),
             problems=norm_out_problems,
@@ -167,17 +167,18 @@ SPEC = FamilySpec(
             ("transformer_blocks",),
             (DOUBLE_BLOCK,
              Fused("HunyuanVideoTokenReplaceTransformerBlock.forward",
-                   {"0747c20001d8f34d": DIFFUSERS_042},
+                   known("HunyuanVideoTokenReplaceTransformerBlock.forward"),
                    token_replace.token_replace_double_forward, DOUBLE_BYPASSES,
                    problems=_token_replace_problems(True), attention="attn")),
         ),
         Blocks(
             ("single_transformer_blocks",),
             (Fused("HunyuanVideoSingleTransformerBlock.forward",
-                   {"497dbbffbea40b6e": DIFFUSERS_042}, single_block_forward, SINGLE_BYPASSES,
+                   known("HunyuanVideoSingleTransformerBlock.forward"), single_block_forward,
+                   SINGLE_BYPASSES,
                    problems=_single_problems, attention="attn"),
              Fused("HunyuanVideoTokenReplaceSingleTransformerBlock.forward",
-                   {"e6faa5efad0b312a": DIFFUSERS_042},
+                   known("HunyuanVideoTokenReplaceSingleTransformerBlock.forward"),
                    token_replace.token_replace_single_forward, SINGLE_BYPASSES,
                    problems=_token_replace_problems(False), attention="attn")),
         ),
@@ -186,7 +187,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {HunyuanVideoAttnProcessor.wraps: HunyuanVideoAttnProcessor},
-        {"14051151be5ee86a": DIFFUSERS_042},
+        known("HunyuanVideoAttnProcessor2_0.__call__"),
     ),
     sparse=SPARSE,
     relied_on=lambda: {**relied_on(), **token_replace.relied_on()},

@@ -23,6 +23,7 @@ from torch import nn
 
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
 from ditops.integrations.shared.adaln_zero import ada_modulate, mlp_half
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.ops import Ops
 
 
@@ -127,13 +128,14 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     checked against (the blocks' own forwards are the family's block kinds)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
-    known = "diffusers 0.42"
     return {
         "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward, {"25eaa1efca684ee3": known}
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward,
+            known("HunyuanVideoTokenReplaceAdaLayerNormZero.forward"),
         ),
         "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward, {"7f1597c9fb4df7d8": known}
+            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward,
+            known("HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward"),
         ),
     }  # fmt: skip
 

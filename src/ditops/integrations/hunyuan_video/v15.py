@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from ditops.integrations.hunyuan_video.attention import HunyuanVideo15AttnProcessor
 from ditops.integrations.hunyuan_video.family import DOUBLE_BLOCK, NORM_OUT, SPARSE, relied_on
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import adaln_ops
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec
+from ditops.integrations.shared.fingerprints import known
 
 SPEC = FamilySpec(
     name="hunyuan_video15",
@@ -38,7 +39,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {HunyuanVideo15AttnProcessor.wraps: HunyuanVideo15AttnProcessor},
-        {"a81a49107227f5da": DIFFUSERS_042},
+        known("HunyuanVideo15AttnProcessor2_0.__call__"),
     ),
     sparse=SPARSE,
     relied_on=relied_on,

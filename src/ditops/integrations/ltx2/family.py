@@ -60,8 +60,8 @@ from torch import nn
 from ditops.integrations.ltx2.forwards import BLOCK_BYPASSES, LTX2SelfAttnProcessor, block_forward
 from ditops.integrations.ltx_video.family import norm_problems, patch_size, prologue_problems
 from ditops.integrations.ltx_video.forwards import ltx_ops
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.video_sparse import grid_recorder, split_rotary
 
 
@@ -73,17 +73,17 @@ def _relied_on() -> Relied:
 
     block = t2.LTX2VideoTransformerBlock
     return {
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
         "LTX2VideoTransformerBlock.get_mod_params": (
-            block.get_mod_params, {"631010f9c76264b1": DIFFUSERS_042}
+            block.get_mod_params, known("LTX2VideoTransformerBlock.get_mod_params")
         ),
         "transformer_ltx2.apply_interleaved_rotary_emb": (
-            t2.apply_interleaved_rotary_emb, {"079ec6a55bb3cdc5": DIFFUSERS_042}
+            t2.apply_interleaved_rotary_emb, known("transformer_ltx2.apply_interleaved_rotary_emb")
         ),
         "transformer_ltx2.apply_split_rotary_emb": (
-            t2.apply_split_rotary_emb, {"8563c28114cda5e6": DIFFUSERS_042}
+            t2.apply_split_rotary_emb, known("transformer_ltx2.apply_split_rotary_emb")
         ),
-        "LTX2Attention.forward": (t2.LTX2Attention.forward, {"9bad0154334fde3a": DIFFUSERS_042}),
+        "LTX2Attention.forward": (t2.LTX2Attention.forward, known("LTX2Attention.forward")),
     }  # fmt: skip
 
 
@@ -99,7 +99,7 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("LTX2VideoTransformerBlock.forward", {"34c387458929a9bb": DIFFUSERS_042},
+            (Fused("LTX2VideoTransformerBlock.forward", known("LTX2VideoTransformerBlock.forward"),
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attn1",
                    prologue=prologue_problems),),
             required=True,
@@ -108,7 +108,7 @@ SPEC = FamilySpec(
     ops=ltx_ops,
     attention=Attention(
         {LTX2SelfAttnProcessor.wraps: LTX2SelfAttnProcessor},
-        {"6527410d3c9c0590": DIFFUSERS_042},
+        known("LTX2AudioVideoAttnProcessor.__call__"),
         keep_others=True,  # STG's perturbed processor (or the user's) stays; refused if sparse
         as_diffusers=split_rotary,
     ),

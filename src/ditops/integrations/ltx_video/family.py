@@ -64,8 +64,8 @@ from ditops.integrations.ltx_video.forwards import (
     block_forward,
     ltx_ops,
 )
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.video_sparse import grid_recorder
 
 
@@ -76,11 +76,11 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_ltx as tl
 
     return {
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
         "transformer_ltx.apply_rotary_emb": (
-            tl.apply_rotary_emb, {"61c0894d7cead512": DIFFUSERS_042}
+            tl.apply_rotary_emb, known("transformer_ltx.apply_rotary_emb")
         ),
-        "LTXAttention.forward": (tl.LTXAttention.forward, {"0bf349c4e640b2b3": DIFFUSERS_042}),
+        "LTXAttention.forward": (tl.LTXAttention.forward, known("LTXAttention.forward")),
     }  # fmt: skip
 
 
@@ -136,7 +136,7 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("LTXVideoTransformerBlock.forward", {"abcd1bbf6bb3a5ba": DIFFUSERS_042},
+            (Fused("LTXVideoTransformerBlock.forward", known("LTXVideoTransformerBlock.forward"),
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attn1",
                    prologue=prologue_problems),),
             required=True,
@@ -145,7 +145,7 @@ SPEC = FamilySpec(
     ops=ltx_ops,
     attention=Attention(
         {LTXSelfAttnProcessor.wraps: LTXSelfAttnProcessor},
-        {"5c456c41d1d39c06": DIFFUSERS_042},
+        known("LTXVideoAttnProcessor.__call__"),
         keep_others=True,  # the user's processor stays (refused with sparse attention)
     ),
     # The grid and the step (counted from the timestep, by name) from the call's arguments.

@@ -64,7 +64,6 @@ from ditops.integrations.mochi.forwards import (
     block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_blocks,
 )
@@ -76,6 +75,7 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
+from ditops.integrations.shared.fingerprints import known
 
 
 def _relied_on() -> Relied:
@@ -86,16 +86,16 @@ def _relied_on() -> Relied:
 
     return {
         "MochiRMSNormZero.forward": (
-            tm.MochiRMSNormZero.forward, {"bdaf627a9e09eb25": DIFFUSERS_042}
+            tm.MochiRMSNormZero.forward, known("MochiRMSNormZero.forward")
         ),
         "MochiModulatedRMSNorm.forward": (
-            tm.MochiModulatedRMSNorm.forward, {"82e6c67d2a0c2516": DIFFUSERS_042}
+            tm.MochiModulatedRMSNorm.forward, known("MochiModulatedRMSNorm.forward")
         ),
         "MochiLayerNormContinuous.forward": (
-            tm.MochiLayerNormContinuous.forward, {"ba2253d719ed6cfd": DIFFUSERS_042}
+            tm.MochiLayerNormContinuous.forward, known("MochiLayerNormContinuous.forward")
         ),
-        "RMSNorm.forward": (n.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
-        "MochiRMSNorm.forward": (n.MochiRMSNorm.forward, {"2062121ed495c740": DIFFUSERS_042}),
+        "RMSNorm.forward": (n.RMSNorm.forward, known("RMSNorm.forward")),
+        "MochiRMSNorm.forward": (n.MochiRMSNorm.forward, known("MochiRMSNorm.forward")),
     }  # fmt: skip
 
 
@@ -169,7 +169,7 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("MochiTransformerBlock.forward", {"28aca21bcf31be39": DIFFUSERS_042},
+            (Fused("MochiTransformerBlock.forward", known("MochiTransformerBlock.forward"),
                    block_forward, BYPASSES, unfused=_unfused, attention="attn1",
                    prologue=_prologue),),
             required=True,
@@ -179,7 +179,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedMochiAttnProcessor.wraps: FusedMochiAttnProcessor},
-        {"7b0451db98ed6158": DIFFUSERS_042},
+        known("MochiAttnProcessor2_0.__call__"),
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
     sparse=Sparse(_patch_size),

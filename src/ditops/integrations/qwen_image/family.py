@@ -65,7 +65,6 @@ from ditops.integrations.qwen_image.forwards import (
     block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_forward,
     norm_out_problems,
@@ -79,6 +78,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.qk_norms import rms_problems
 
 
@@ -90,11 +90,11 @@ def _relied_on() -> Relied:
 
     return {
         "QwenImageTransformerBlock._modulate": (
-            tq.QwenImageTransformerBlock._modulate, {"77f3481f34aa9d16": DIFFUSERS_042}),
-        "apply_rotary_emb_qwen": (tq.apply_rotary_emb_qwen, {"0a5094c2f81ec2b2": DIFFUSERS_042}),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
+            tq.QwenImageTransformerBlock._modulate, known("QwenImageTransformerBlock._modulate")),
+        "apply_rotary_emb_qwen": (tq.apply_rotary_emb_qwen, known("apply_rotary_emb_qwen")),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
         "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": DIFFUSERS_042}),
+            normalization.AdaLayerNormContinuous.forward, known("AdaLayerNormContinuous.forward")),
     }  # fmt: skip
 
 
@@ -124,14 +124,14 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("QwenImageTransformerBlock.forward", {"82d9336602d793a2": DIFFUSERS_042},
+            (Fused("QwenImageTransformerBlock.forward", known("QwenImageTransformerBlock.forward"),
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attn",
                    prologue=_prologue_problems),),
             required=True,
         ),
         Blocks(
             ("norm_out",),
-            (Fused("AdaLayerNormContinuous.forward", {"6774475aefc7c86f": DIFFUSERS_042},
+            (Fused("AdaLayerNormContinuous.forward", known("AdaLayerNormContinuous.forward"),
                    norm_out_forward, ("norm",), problems=norm_out_problems,
                    kind="output norm"),),
             required=True,
@@ -140,7 +140,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedQwenImageAttnProcessor.wraps: FusedQwenImageAttnProcessor},
-        {"d400cf3fafe2cec4": DIFFUSERS_042},
+        known("QwenDoubleStreamAttnProcessor2_0.__call__"),
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
     relied_on=_relied_on,

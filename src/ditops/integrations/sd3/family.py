@@ -64,7 +64,6 @@ from ditops.integrations.sd3.forwards import (
     joint_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
-    DIFFUSERS_042,
     adaln_ops,
     norm_out_forward,
     norm_out_problems,
@@ -79,6 +78,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 
 NORM_OUT_BYPASSES = ("norm",)
 
@@ -91,11 +91,11 @@ def _relied_on() -> Relied:
     return {
         **relied_on_norms(),
         "SD35AdaLayerNormZeroX.forward": (
-            normalization.SD35AdaLayerNormZeroX.forward, {"4f1a3bc7c343f38c": DIFFUSERS_042}
+            normalization.SD35AdaLayerNormZeroX.forward, known("SD35AdaLayerNormZeroX.forward")
         ),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
         "_chunked_feed_forward": (
-            attention._chunked_feed_forward, {"386d50fd14e76586": DIFFUSERS_042}
+            attention._chunked_feed_forward, known("_chunked_feed_forward")
         ),
     }  # fmt: skip
 
@@ -160,13 +160,13 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("transformer_blocks",),
-            (Fused("JointTransformerBlock.forward", {"ad27882bcc1e6bfc": DIFFUSERS_042},
+            (Fused("JointTransformerBlock.forward", known("JointTransformerBlock.forward"),
                    joint_block_forward, JOINT_BYPASSES, unfused=_joint_unfused,
                    attention=("attn", "attn2"), plain=qk_plain),),
         ),
         Blocks(
             ("norm_out",),
-            (Fused("AdaLayerNormContinuous.forward", {"6774475aefc7c86f": DIFFUSERS_042},
+            (Fused("AdaLayerNormContinuous.forward", known("AdaLayerNormContinuous.forward"),
                    norm_out_forward, NORM_OUT_BYPASSES, problems=norm_out_problems,
                    kind="output norm"),),
             required=True,
@@ -175,7 +175,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedSD3AttnProcessor.wraps: FusedSD3AttnProcessor},
-        {"c7614f0efa2b00b9": DIFFUSERS_042},
+        known("JointAttnProcessor2_0.__call__"),
         keep_others=True,  # IP-Adapter's, PAG's (or the user's) stay; the blocks are fused
     ),
     relied_on=_relied_on,

@@ -1,7 +1,8 @@
 """ditops' block-sparse attention as sglang's ``block_sparse_attn`` backend.
 
-``--attention-backend block_sparse_attn`` selects it (ditops' platform resolves that
-name to :class:`DitopsBlockSparseBackend`); ``--attention-backend-config`` drives it:
+``--attention-backend block_sparse_attn`` selects it (ditops' plugin resolves that name
+to :class:`DitopsBlockSparseBackend` on every platform); ``--attention-backend-config``
+drives it:
 
 * sglang's keys: ``sparsity`` (share of blocks skipped, ``[0, 1)``; sglang's default 0.2)
   and ``skip_first_steps`` (denoising steps run dense; sglang's default 10). sglang's
@@ -30,7 +31,6 @@ warning.
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
@@ -98,28 +98,21 @@ def config_from(options: Mapping[str, Any] | None, kind: str = "cpu") -> BlockSp
     return cfg
 
 
-def check_server_config(config: Any, kind: str) -> None:
-    """Check ``--attention-backend-config`` as sglang's arguments are built: a mapping or
-    a JSON string is checked now; a file or ``k=v`` text when a worker builds the model."""
-    if isinstance(config, str):
-        try:
-            config = json.loads(config) if config.strip() else {}
-        except json.JSONDecodeError:
-            return
-    if config is None or isinstance(config, Mapping):
-        config_from(config, kind)
-
-
 def _server_config() -> Mapping[str, Any]:
     from sglang.multimodal_gen.runtime.server_args import get_global_server_args
 
     return get_global_server_args().attention_backend_config or {}
 
 
-def _device_kind() -> str:
+def device_type() -> str:
+    """The device type of sglang's current platform (``cpu`` when it names none)."""
     from sglang.multimodal_gen.runtime.platforms import current_platform
 
-    return getattr(current_platform, "kind", "cpu")
+    return str(getattr(current_platform, "device_type", "") or "cpu")
+
+
+def _device_kind() -> str:
+    return device_type()
 
 
 @dataclass
@@ -257,6 +250,5 @@ __all__ = [
     "DitopsBlockSparseImpl",
     "DitopsBlockSparseMetadata",
     "DitopsBlockSparseMetadataBuilder",
-    "check_server_config",
     "config_from",
 ]

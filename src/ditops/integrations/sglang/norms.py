@@ -1,7 +1,7 @@
 """ditops' forwards for sglang's norm modules, in sglang's arithmetic.
 
-Registered by :func:`register` with ``CustomOp.register_oot_forward`` for the exact
-classes of ``sglang.multimodal_gen.runtime.layers.layernorm``; each forward is called as
+Bound by ditops' plugin (:mod:`.plugin`, :mod:`.forwards`) to the exact classes of
+``sglang.multimodal_gen.runtime.layers.layernorm``; each forward is called as
 ``fn(module, *args)`` and calls a ditops op, which picks its path per call from the
 tensors' device (CPU kernel, Triton, NPU, or the plain-torch meaning), with ditops'
 fallback and ``DITOPS_STRICT`` / ``DITOPS_PRECISION``.
@@ -55,8 +55,6 @@ from ditops.ops.modulation_fp32 import layer_norm_scale_shift, scale_residual_la
 from ditops.ops.qk_norm_rope import rms_norm
 
 log = logging.getLogger(__name__)
-#: The sglang classes these forwards serve (by name, in ``layernorm``).
-SERVED = ("FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "ScaleResidualLayerNormScaleShift")
 _warned: set[str] = set()
 
 Modulation = Any  # a tensor or a Python number, in sglang's shapes
@@ -99,7 +97,7 @@ def _widened_scale(scale: Modulation, dtype: torch.dtype) -> Modulation:
     return (1 + scale).to(dtype) - 1 if _narrower(scale, dtype) else scale
 
 
-def _gated_sum(residual: torch.Tensor, x: torch.Tensor, gate: Any) -> torch.Tensor:
+def gated_sum(residual: torch.Tensor, x: torch.Tensor, gate: Any) -> torch.Tensor:
     """sglang's ``residual + x * gate`` (per-frame gates ``[B, F, 1, C]`` included)."""
     if isinstance(gate, bool) or not isinstance(gate, (int, torch.Tensor)):
         raise ValueError(f"Gate type {type(gate)} not supported: sglang takes the int 1 or tensors")
@@ -170,7 +168,7 @@ def scale_residual_layer_norm_scale_shift_forward(
     """``ScaleResidualLayerNormScaleShift.forward`` in sglang's arithmetic (see above)."""
     norm = module.norm
     if not isinstance(gate, torch.Tensor):
-        _gated_sum(residual[:0], x[:0], gate)  # sglang's refusals of a non-tensor gate
+        gated_sum(residual[:0], x[:0], gate)  # sglang's refusals of a non-tensor gate
         summed = torch.promote_types(residual.dtype, x.dtype)
     else:
         product = torch.result_type(x.to("meta"), gate.to("meta"))
@@ -183,26 +181,11 @@ def scale_residual_layer_norm_scale_shift_forward(
             return scale_residual_layer_norm_scale_shift(
                 residual, x, g, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype
             )
-        h = _gated_sum(residual, x, gate)
+        h = gated_sum(residual, x, gate)
         s, t = _widened_scale(s, h.dtype), _widened_shift(t, h.dtype)
         out = layer_norm_scale_shift(h, norm.weight, norm.bias, s, t, norm.eps, out_dtype=out_dtype)
         return out, h
     except (TypeError, ValueError) as error:
         _refused("ScaleResidualLayerNormScaleShift", error)
-        h = _gated_sum(residual, x, gate)
+        h = gated_sum(residual, x, gate)
         return _sglang_modulated_norm(norm, h, shift, scale), h
-
-
-def register(platform_key: str) -> None:
-    """Register the four forwards under ``platform_key`` (idempotent: a dict update)."""
-    from sglang.multimodal_gen.runtime.layers import layernorm as ln
-    from sglang.multimodal_gen.runtime.layers.custom_op import CustomOp
-
-    forwards = (
-        fp32_layer_norm_forward,
-        rms_norm_forward,
-        layer_norm_scale_shift_forward,
-        scale_residual_layer_norm_scale_shift_forward,
-    )
-    for name, fn in zip(SERVED, forwards):
-        CustomOp.register_oot_forward(getattr(ln, name), fn=fn, platform_key=platform_key)

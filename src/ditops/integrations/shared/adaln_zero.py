@@ -19,6 +19,7 @@ from torch import nn
 
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import Blocks, Fused
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.ops import Ops
 
 DIFFUSERS_042 = "diffusers 0.42"
@@ -32,13 +33,13 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
 
     return {
         "AdaLayerNormZero.forward": (
-            normalization.AdaLayerNormZero.forward, {"690b44401a6e9d64": DIFFUSERS_042}
+            normalization.AdaLayerNormZero.forward, known("AdaLayerNormZero.forward")
         ),
         "AdaLayerNormZeroSingle.forward": (
-            normalization.AdaLayerNormZeroSingle.forward, {"ff138e112a4f4ff9": DIFFUSERS_042}
+            normalization.AdaLayerNormZeroSingle.forward, known("AdaLayerNormZeroSingle.forward")
         ),
         "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, {"6774475aefc7c86f": DIFFUSERS_042}
+            normalization.AdaLayerNormContinuous.forward, known("AdaLayerNormContinuous.forward")
         ),
     }  # fmt: skip
 
@@ -129,7 +130,7 @@ def norm_out_blocks() -> Blocks:
     """The output norm of FLUX, FLUX.2 and Mochi, declared (``FamilySpec.blocks``):
     ``norm_out``, an ``AdaLayerNormContinuous`` over a LayerNorm without affine, on the
     modulate op (:func:`norm_out_forward`)."""
-    known = {"6774475aefc7c86f": DIFFUSERS_042}
-    fused = Fused("AdaLayerNormContinuous.forward", known, norm_out_forward, ("norm",),
+    label = "AdaLayerNormContinuous.forward"
+    fused = Fused(label, known(label), norm_out_forward, ("norm",),
                   problems=norm_out_problems, kind="output norm")  # fmt: skip
     return Blocks(("norm_out",), (fused,), required=True)

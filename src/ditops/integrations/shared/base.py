@@ -25,15 +25,14 @@ as the rest of it does.
 
 Installing a fused forward under those hooks, and the guard that runs the module's own
 forward while something is attached to what it bypasses: :mod:`ditops.integrations.shared.guard`.
-Also here: what every family checks with (fingerprints, :func:`refuse`) and is
+Also here: what every family checks with (:func:`refuse`; the fingerprints of the diffusers
+functions reproduced are in :mod:`~ditops.integrations.shared.fingerprints`) and is
 (:class:`ModelFamily`), and the base of ditops' attention processors.
 """
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import inspect
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, fields
@@ -242,36 +241,6 @@ class PatchRecord:
 # --- model families ---------------------------------------------------------------------------
 
 
-def fingerprint(fn: Any) -> str:
-    """sha256 (first 16 hex digits) of the stripped, non-empty source lines of ``fn``:
-    what a family compares against the diffusers versions it was written for."""
-    try:
-        src = inspect.getsource(fn)
-    except (OSError, TypeError):
-        return "unavailable"
-    lines = "\n".join(line.strip() for line in src.splitlines() if line.strip())
-    return hashlib.sha256(lines.encode()).hexdigest()[:16]
-
-
-def fingerprint_problems(
-    relied_on: dict[str, tuple[Callable[..., Any], dict[str, str]]],
-) -> list[str]:
-    """One problem per diffusers function in ``relied_on`` (label -> (function, {known
-    fingerprint: version})) whose source differs from every version a family knows."""
-    import diffusers
-
-    version = getattr(diffusers, "__version__", "?")
-    problems = []
-    for label, (fn, known) in relied_on.items():
-        fp = fingerprint(fn)
-        if fp not in known:
-            problems.append(
-                f"{label} of diffusers {version} (fingerprint {fp}) differs from the versions "
-                f"ditops knows ({', '.join(sorted(set(known.values())))})"
-            )
-    return problems
-
-
 def is_plain_layer_norm(m: object) -> bool:
     """An ``nn.LayerNorm`` itself (no subclass) without affine parameters."""
     return type(m) is nn.LayerNorm and not m.elementwise_affine  # type: ignore[union-attr]
@@ -330,8 +299,15 @@ class WrappingProcessor:
             dropout_p=0.0,
             is_causal=False,
             backend=self._attention_backend,
-            parallel_config=self._parallel_config,
+            **self._parallel_kwargs(),
         )
+
+    def _parallel_kwargs(self) -> dict[str, Any]:
+        """``parallel_config=`` for ``dispatch_attention_fn`` when there is one: diffusers
+        0.35 has no context parallelism and its ``dispatch_attention_fn`` no such argument
+        (with None, later releases compute the same)."""
+        config = self._parallel_config
+        return {} if config is None else {"parallel_config": config}
 
 
 class DenseProcessor(WrappingProcessor):

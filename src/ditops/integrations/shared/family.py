@@ -45,18 +45,25 @@ from ditops.integrations.shared.base import (
     PatchOptions,
     PatchRecord,
     TorchHook,
-    fingerprint,
-    fingerprint_problems,
     refuse,
     refuse_sparse,
     register_like,
+)
+from ditops.integrations.shared.fingerprint_table import Seen
+from ditops.integrations.shared.fingerprints import (
+    Relied,
+    accepted,
+    arithmetic,
+    differs,
+    fingerprint,
+    match,
 )
 from ditops.integrations.shared.guard import forward_wrapper_problem, install_guarded
 from ditops.integrations.shared.norms import swap_norms
 from ditops.integrations.shared.steps import StepState, track_steps
 
-#: label -> (diffusers function, {fingerprint: version}): see ``base.fingerprint_problems``.
-Relied = dict[str, tuple[Callable[..., Any], dict[str, str]]]
+#: The model attribute holding ``Plan.arithmetic`` while patched.
+ARITHMETIC = "_ditops_arithmetic"
 #: ``(module, where) -> problems`` (``where`` as in messages: ``blocks[3]``).
 Check = Callable[[nn.Module, str], list[str]]
 
@@ -75,8 +82,8 @@ class Fused:
 
     #: What the diffusers forward is, in messages (``"FluxTransformerBlock.forward"``).
     label: str
-    #: Fingerprints of that forward -> the diffusers versions checked.
-    known: Mapping[str, str]
+    #: Fingerprints of that forward -> where seen, whose arithmetic (``fingerprints.known``).
+    known: Mapping[str, Seen]
     #: The twin, ``forward(block, ops, *args, **kwargs)``: a module-level function.
     forward: Callable[..., Any]
     #: Submodules the twin computes without calling (see ``guard.Bypass``).
@@ -99,7 +106,7 @@ class Fused:
     kind: str = "blocks"
 
     def matches(self, cls: type) -> bool:
-        return fingerprint(cls.forward) in self.known
+        return match(cls.forward, self.known) is not None
 
 
 @dataclass(frozen=True)
@@ -123,8 +130,8 @@ class Attention:
     #: diffusers' processor ``(module, class name)`` -> ditops' processor class, built as
     #: ``cls(original, ops=..., steps=..., sparse=...)``.
     processors: Mapping[tuple[str, str], type]
-    #: Fingerprints of those processors' ``__call__`` -> the diffusers versions checked.
-    known: Mapping[str, str]
+    #: Fingerprints of those processors' ``__call__`` (``fingerprints.known``).
+    known: Mapping[str, Seen]
     #: A processor of another class: kept as it is (``True``; the block is still fused)
     #: or the model refused.
     keep_others: bool = False
@@ -195,6 +202,8 @@ class Plan:
     kept: list[str] = field(default_factory=list)
     #: why the model leaves its prologues nothing to fuse (``FamilySpec.plain_model``).
     plain: str | None = None
+    #: label -> the release whose arithmetic was matched (``explain_patch`` says it).
+    arithmetic: dict[str, str] = field(default_factory=dict)
 
 
 def _places(model: nn.Module, blocks: Blocks) -> Iterator[tuple[str, str, nn.Module]]:
@@ -245,7 +254,9 @@ class DeclaredFamily:
             refuse_sparse(model, "blocks")
         if not options.norms and options.attention is None:
             return plan
-        problems += fingerprint_problems(spec.relied_on())
+        relied = spec.relied_on()
+        problems += [p for p in map(_differs, relied.items()) if p]
+        plan.arithmetic.update(arithmetic(relied))
         if spec.model_problems is not None:
             problems += spec.model_problems(model, options)
         if options.attention is not None and spec.sparse.patch_size(model) is None:  # type: ignore[union-attr]
@@ -269,9 +280,10 @@ class DeclaredFamily:
                     problems.append(
                         f"{label} is a {cls.__name__} whose forward (fingerprint "
                         f"{fingerprint(cls.forward)}) is none ditops knows of diffusers "
-                        f"{version} ({known})"
+                        f"{version} ({known}; {_seen(cls.forward, blocks.kinds)})"
                     )
                     continue
+                plan.arithmetic[kind.label] = match(cls.forward, kind.known).arithmetic  # type: ignore[union-attr,assignment]
                 found = kind.problems(block, label)
                 found += self._attention(block, label, kind, options, plan)
                 problems += found
@@ -318,14 +330,17 @@ class DeclaredFamily:
                 plan.kept.append(f"{where}: {type(proc).__name__} ({plain[0]})")
                 return []
         problems = []
-        fp = fingerprint(type(proc).__call__)
-        if fp not in spec.known:
-            problems.append(
-                f"{where}.processor {type(proc).__qualname__}.__call__ (fingerprint {fp}) "
-                f"differs from the versions ditops knows ({_versions(spec.known)})"
-            )
+        call = type(proc).__call__
+        label = f"{where}.processor {type(proc).__qualname__}.__call__"
+        why = differs(label, call, spec.known, name_release=False)
+        if why:
+            problems.append(why)
+        else:
+            plan.arithmetic[f"{type(proc).__name__}.__call__"] = match(call, spec.known).arithmetic  # type: ignore[union-attr,assignment]
         if spec.relied is not None:
-            problems += fingerprint_problems(spec.relied(ours))
+            relied = spec.relied(ours)
+            problems += [p for p in map(_differs, relied.items()) if p]
+            plan.arithmetic.update(arithmetic(relied))
         if options.norms:
             problems += kind.prologue(attn, where)  # type: ignore[arg-type]
         sparse = self.spec.sparse
@@ -345,6 +360,8 @@ class DeclaredFamily:
         """Patch a checked model in place, recording every change on ``record``."""
         spec = self.spec
         ops = spec.ops(options.precision) if options.norms else None
+        if plan.arithmetic:  # what explain_patch says was matched; unpatch removes it
+            record.add(AttrSet.apply(model, ARITHMETIC, dict(sorted(plan.arithmetic.items()))))
         if options.norms:
             if spec.swap_norms:
                 swap_norms(model, record, options.precision)
@@ -389,5 +406,16 @@ class DeclaredFamily:
             record.count("attention processors kept", len(plan.kept))
 
 
-def _versions(known: Mapping[str, str]) -> str:
-    return ", ".join(dict.fromkeys(known.values()))
+def _differs(item: tuple[str, tuple[Callable[..., Any], Mapping[str, Seen]]]) -> str | None:
+    label, (fn, table) = item
+    return differs(label, fn, table)
+
+
+def _seen(forward: Callable[..., Any], kinds: tuple[Fused, ...]) -> str:
+    """What the table says of a forward no kind accepts: refused as which, or unknown."""
+    fp = fingerprint(forward)
+    for kind in kinds:
+        seen = kind.known.get(fp)
+        if seen is not None:
+            return f"{kind.label} of {seen}, refused: {seen.note or 'another arithmetic'}"
+    return f"ditops knows {'; '.join(f'{k.label} of {accepted(k.known)}' for k in kinds)}"

@@ -48,6 +48,8 @@ forwards are in :mod:`ditops.integrations.wan.blocks`, the self-attention proces
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import torch
 from torch import nn
 
@@ -59,6 +61,8 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
+from ditops.integrations.shared.fingerprint_table import Seen
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.ops import Ops
 from ditops.integrations.wan.attention import PROCESSORS
 from ditops.integrations.wan.blocks import (
@@ -68,28 +72,20 @@ from ditops.integrations.wan.blocks import (
     fused_vace_block_forward,
 )
 
-DIFFUSERS_042 = "diffusers 0.42"
-# base.fingerprint of the diffusers versions this module was checked against.
+# The fingerprints of the diffusers functions reproduced: ``fingerprints.known``.
 #: ``WanTransformerBlock.forward`` (also the copies ChronoEdit and Wan-Animate define).
-KNOWN_BLOCK_FORWARD = {"318f5cac859c98ee": DIFFUSERS_042}
-#: ``WanAttnProcessor.__call__``; ChronoEdit's copy differs in comments only; SkyReels-V2's
-#: differs where it hands the context-parallel config to cross-attention (a path ditops
-#: leaves to it: its self-attention lines are Wan's).
-KNOWN_ATTN_PROCESSOR = {
-    "860a708317404b68": DIFFUSERS_042,
-    "967be14b865ec52b": "diffusers 0.42 (ChronoEdit's copy)",
-    "d79f607e6be35244": "diffusers 0.42 (SkyReels-V2's copy)",
-}
+KNOWN_BLOCK_FORWARD = known("WanTransformerBlock.forward")
+#: ``WanAttnProcessor.__call__`` and its copies (ChronoEdit's, Wan-Animate's, SkyReels-V2's,
+#: which differs where it hands the context-parallel config to cross-attention: a path
+#: ditops leaves to it, its self-attention lines are Wan's).
+KNOWN_ATTN_PROCESSOR = known("WanAttnProcessor.__call__")
 #: ``WanVACETransformerBlock.forward``: proj_in, Wan's chain on the control states, proj_out.
-KNOWN_VACE_BLOCK_FORWARD = {"2d4df54a15edd0a2": DIFFUSERS_042}
+KNOWN_VACE_BLOCK_FORWARD = known("WanVACETransformerBlock.forward")
 #: ``SkyReelsV2TransformerBlock.forward``: Wan's chain, per-frame modulation ``[B, 6, L, C]``
 #: (diffusion forcing) and the attention mask (causal blocks) handed to self-attention.
-KNOWN_SKYREELS_BLOCK_FORWARD = {"bc0ba5d9174f9e38": DIFFUSERS_042}
+KNOWN_SKYREELS_BLOCK_FORWARD = known("SkyReelsV2TransformerBlock.forward")
 #: ``_get_qkv_projections`` of transformer_wan (and its copies), which ditops' processor calls.
-KNOWN_QKV_PROJECTIONS = {
-    "12c562d8104ff115": DIFFUSERS_042,
-    "ddd1a543e6e3b145": "diffusers 0.42 (SkyReels-V2's copy: its type annotation)",
-}
+KNOWN_QKV_PROJECTIONS = known("_get_qkv_projections")
 
 #: The models of this family (diffusers' class names). A model is also taken when its
 #: blocks' forward is one ditops knows; either way every block and processor is checked by
@@ -162,9 +158,9 @@ def _patch_size(model: nn.Module) -> tuple[int, ...] | None:
     return size if len(size) == 3 else None
 
 
-def _kind(label: str, known: dict[str, str], forward: object, kind: str = "blocks") -> Fused:
+def _kind(label: str, table: Mapping[str, Seen], forward: object, kind: str = "blocks") -> Fused:
     return Fused(
-        label, known, forward, BLOCK_BYPASSES, problems=_table_problems,  # type: ignore[arg-type]
+        label, table, forward, BLOCK_BYPASSES, problems=_table_problems,  # type: ignore[arg-type]
         unfused=_norm_unfused, attention="attn1", prologue=_prologue_problems, kind=kind,
     )  # fmt: skip
 

@@ -53,7 +53,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from ditops.integrations.shared.adaln_zero import DIFFUSERS_042, adaln_ops
+from ditops.integrations.shared.adaln_zero import adaln_ops
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import (
     Attention,
@@ -63,6 +63,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
+from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.shared.qk_norms import rms_problems
 from ditops.integrations.z_image.forwards import (
     BLOCK_BYPASSES,
@@ -80,8 +81,8 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_z_image as tz
 
     return {
-        "RMSNorm.forward": (normalization.RMSNorm.forward, {"d525bc168c12c1ac": DIFFUSERS_042}),
-        "select_per_token": (tz.select_per_token, {"abb6252f6659b369": DIFFUSERS_042}),
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
+        "select_per_token": (tz.select_per_token, known("select_per_token")),
     }  # fmt: skip
 
 
@@ -121,14 +122,14 @@ SPEC = FamilySpec(
     blocks=(
         Blocks(
             ("layers", "noise_refiner", "context_refiner", "siglip_refiner"),
-            (Fused("ZImageTransformerBlock.forward", {"5e6d97275177d702": DIFFUSERS_042},
+            (Fused("ZImageTransformerBlock.forward", known("ZImageTransformerBlock.forward"),
                    block_forward, BLOCK_BYPASSES, unfused=_block_unfused, attention="attention",
                    prologue=_prologue_problems),),
             required=True,
         ),
         Blocks(
             ("all_final_layer",),
-            (Fused("FinalLayer.forward", {"8258939a68e2fad3": DIFFUSERS_042}, final_forward,
+            (Fused("FinalLayer.forward", known("FinalLayer.forward"), final_forward,
                    FINAL_BYPASSES, problems=_final_problems, kind="final layers"),),
             required=True,
         ),
@@ -136,7 +137,7 @@ SPEC = FamilySpec(
     ops=adaln_ops,
     attention=Attention(
         {FusedZImageAttnProcessor.wraps: FusedZImageAttnProcessor},
-        {"54073087d4e497e1": DIFFUSERS_042},
+        known("ZSingleStreamAttnProcessor.__call__"),
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
     relied_on=_relied_on,

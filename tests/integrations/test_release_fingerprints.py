@@ -1,0 +1,39 @@
+"""The fingerprint table says of the installed diffusers release what that release's code
+is (run on each release by ``.ci/releases``): every relied-on function found has a
+fingerprint the table lists for this release, and every entry listing it is found."""
+
+from __future__ import annotations
+
+import diffusers
+import pytest
+
+from ditops.integrations.shared.fingerprint_table import KNOWN, MAIN, MAIN_VERSION, RELEASES
+from ditops.integrations.shared.release_survey import survey
+
+
+def _release() -> str | None:
+    version = diffusers.__version__
+    if version in RELEASES:
+        return version
+    return MAIN if version == MAIN_VERSION else None
+
+
+@pytest.mark.skipif(_release() is None, reason="a diffusers release the table does not cover")
+def test_the_table_says_what_this_release_computes() -> None:
+    release = _release()
+    found = survey()
+    for label, fps in found.items():
+        for fp, sites in fps.items():
+            seen = KNOWN[label].get(fp)
+            assert seen is not None and release in seen.releases, (label, fp, sites, release)
+    unpruned = survey(prune=False)  # the entries for hosts where the NPU probe is true
+    for label, table in KNOWN.items():
+        for fp, seen in table.items():
+            if release in seen.releases:
+                assert fp in {**found.get(label, {}), **unpruned.get(label, {})}, (label, fp)
+
+
+def test_the_installed_release_is_covered() -> None:
+    """The test environment's diffusers is one the table covers (a new release: survey
+    it and extend the table, see docs/releases.md)."""
+    assert _release() is not None, diffusers.__version__
