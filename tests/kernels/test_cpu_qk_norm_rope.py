@@ -28,7 +28,7 @@ BF16, FP16, FP32 = torch.bfloat16, torch.float16, torch.float32
 @pytest.fixture
 def small_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     # 3 tokens of q and k per block (6 of one tensor alone): L = 10 ends raggedly
-    monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * H * D * 2 * 3 // torch.get_num_threads())
+    monkeypatch.setattr(K, "_BLOCK_BYTES", 4 * H * D * 2 * 3)
 
 
 def _strided(dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:

@@ -3,10 +3,11 @@
 Per case, one run interleaves (round by round, each variant once per round, the order
 alternating): the meaning (``native``); the meaning again as if it were a contender
 (``A/A``: its ratio is the run's noise floor, the allocator's page state included); the
-CPU path called directly with the process's intra-op threads (``path 2t``,
-``blocks.THREADS = None``, the kernels before issue 26) and with one (``path 1t``,
-``blocks.THREADS = 1``, the default now); and the op as a user calls it with
-``DITOPS_TUNE=on`` (``tuned``: its first call, in the warm-up, times the paths and the
+CPU path called directly with every block on the calling thread and the process's
+intra-op threads (``path 2t``, the kernels before issue 26), every block on the calling
+thread with one (``path 1t``, issue 26's), and its blocks shared with a helper thread
+(``path wk``, :mod:`ditops.kernels.cpu.workers`, the default now); and the op as a user
+calls it with ``DITOPS_TUNE=on`` (``tuned``: its first call, in the warm-up, times the paths and the
 meaning and keeps the fastest). Each case first quiet, then with a spinning process
 started for that phase (``busy``). Cells: median of per-round ratios to the meaning /
 ratio of best times (>1: faster than the meaning). Load average per phase.
@@ -37,7 +38,13 @@ from typing import Any
 import torch
 
 from ditops import config
-from ditops.bench.load import blocked_kernel_threads, busy_neighbour, header, ratios_to
+from ditops.bench.load import (
+    blocked_kernel_threads,
+    blocked_kernel_workers,
+    busy_neighbour,
+    header,
+    ratios_to,
+)
 from ditops.core import tune
 
 
@@ -87,7 +94,7 @@ def main() -> None:
     print("\n".join(header()))
     print(f"command: {' '.join(sys.argv)}")
     print("cells: median of per-round ratios to the meaning / ratio of best times")
-    names = ("A/A", "path 2t", "path 1t", "tuned")
+    names = ("A/A", "path 2t", "path 1t", "path wk", "tuned")
     print(
         f"{'case':30} {'prec':5} {'phase':5} {'load':>5} {'native ms':>9} "
         + " ".join(f"{n:>13}" for n in names)
@@ -106,9 +113,9 @@ def main() -> None:
                 with busy_neighbour(busy), config.override(precision=precision):
                     load = os.getloadavg()[0]
 
-                    def path(n: int | None) -> Any:
+                    def path(n: int | None, workers: int | None = 1) -> Any:
                         def run() -> object:
-                            with blocked_kernel_threads(n):
+                            with blocked_kernel_threads(n), blocked_kernel_workers(workers):
                                 return op.forward_cpu(call)
 
                         return run
@@ -128,6 +135,7 @@ def main() -> None:
                         "A/A": lambda: op.forward_native(call),
                         "path 2t": path(None),
                         "path 1t": path(1),
+                        "path wk": path(1, None),
                         "tuned": tuned,
                     }
                     res = ratios_to("native", variants, args.rounds, warmup=2)

@@ -1,12 +1,15 @@
 """The bench Wan's forward, norms-only exact patch against unpatched, quiet and busy.
 
 The ``ditops bench wan`` model (dim 1536, 12 heads, 2 layers, bf16) at its small size
-(21 x 16 x 24 = 8064 video tokens, 512 text tokens): ``unpatched``, ``norms exact``
-(``ditops.patch(model, precision="exact")``, the blocked kernels with one intra-op thread,
-``blocks.THREADS = 1``, the default) and ``norms exact 2t`` (the kernels with the
-process's threads, as before). Variants take turns within each round; per phase (quiet,
-then with a spinning process started for it) the median over rounds of unpatched time /
-variant time in that round, and the ratio of best times. Load average printed per phase.
+(21 x 16 x 24 = 8064 video tokens, 512 text tokens): ``unpatched`` and the norms-only
+exact patch (``ditops.patch(model, precision="exact")``) under three threading models of
+the blocked kernels: ``workers`` (blocks handed out to the calling thread and a helper,
+:mod:`ditops.kernels.cpu.workers`, the default), ``1 thread`` (every block on the calling
+thread, one intra-op thread: issue 26) and ``omp 2t`` (every block on the calling thread
+with the process's intra-op threads: before issue 26). Variants take turns within each
+round; per phase (quiet, then with a spinning process started for it) the median over
+rounds of unpatched time / variant time in that round, and the ratio of best times. Load
+average printed per phase.
 
     PYTHONPATH=src python benchmarks/cpu/probes/wan_norms_busy.py [--rounds 3] [--tune off]
 """
@@ -23,8 +26,13 @@ import torch
 
 from ditops import config
 from ditops.bench.harness import cpu_features
-from ditops.bench.load import blocked_kernel_threads as kernel_threads
-from ditops.bench.load import busy_neighbour, header, ratios_to
+from ditops.bench.load import (
+    blocked_kernel_threads,
+    blocked_kernel_workers,
+    busy_neighbour,
+    header,
+    ratios_to,
+)
 from ditops.bench.wan import LATENTS, TEXT_TOKENS
 from ditops.bench.wan_model import build_model, make_inputs
 from ditops.integrations import patch
@@ -45,17 +53,25 @@ def main() -> None:
     patched = copy.deepcopy(base)
     patch(patched, precision="exact")
 
-    def fwd(model: torch.nn.Module, threads: int | None) -> Callable[[], object]:
+    def fwd(
+        model: torch.nn.Module, threads: int | None, workers: int | None
+    ) -> Callable[[], object]:
         def run() -> object:
-            with torch.inference_mode(), kernel_threads(threads), config.override(tune=args.tune):
+            with (
+                torch.inference_mode(),
+                blocked_kernel_threads(threads),
+                blocked_kernel_workers(workers),
+                config.override(tune=args.tune),
+            ):
                 return model(**inputs, return_dict=False)[0]
 
         return run
 
     fns = {
-        "unpatched": fwd(base, None),
-        "norms exact": fwd(patched, 1),
-        "norms exact 2t": fwd(patched, None),
+        "unpatched": fwd(base, None, None),
+        "workers": fwd(patched, 1, None),
+        "1 thread": fwd(patched, 1, 1),
+        "omp 2t": fwd(patched, None, 1),
     }
     ref = fns["unpatched"]()
     for name, fn in fns.items():

@@ -56,6 +56,21 @@ def blocked_kernel_threads(n: int | None) -> Iterator[None]:
         blocks.THREADS = old
 
 
+@contextlib.contextmanager
+def blocked_kernel_workers(n: int | None) -> Iterator[None]:
+    """Share the blocked CPU kernels' blocks between ``n`` threads inside the block (None:
+    torch's intra-op thread count; 1: the calling thread alone), to compare scheduling
+    models (:data:`ditops.kernels.cpu.workers.WORKERS`; process-wide while the block runs)."""
+    from ditops.kernels.cpu import workers
+
+    old = workers.WORKERS
+    workers.WORKERS = n
+    try:
+        yield
+    finally:
+        workers.WORKERS = old
+
+
 def ratios_to(
     base: str, fns: dict[str, Callable[[], object]], rounds: int, warmup: int = 1
 ) -> dict[str, tuple[float, float, float]]:

@@ -29,12 +29,14 @@ so ``torch.compile`` calls it as one opaque op instead of unrolling the block lo
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ditops.kernels.cpu import blocks
-from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
+from ditops.kernels.cpu import blocks, workers
+from ditops.kernels.cpu.blocks import Block, Rows, per_token, walk_rows
 from ditops.kernels.cpu.modulation import rows_per_block
 from ditops.kernels.opaque import opaque_op
 
@@ -73,17 +75,19 @@ def _residual_block(r: Tensor, x: Tensor, g: Tensor | None, tmp: Tensor, out: Te
     torch.add(r, tmp, out=out)
 
 
-def _scratch(rows: int, C: int, like: Tensor) -> Tensor:
-    return torch.empty((rows, C), dtype=like.dtype, device=like.device)
-
-
 def _modulate_exact(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: float) -> Tensor:
     B, L, C = x.shape
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     mods = {**_one_plus(scale, L), "shift": shift}
-    with blocks.kernel_threads():
-        for b, _, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
+        def run(block: Block) -> None:
+            b, _, l0, l1, rows = block
             _modulate_block(x[b, l0:l1], rows, eps, out[b, l0:l1])
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, rows_per_block(C), mods)), body)
     return out
 
 
@@ -105,12 +109,18 @@ def _modulate_fast(x: Tensor, scale: Tensor | None, shift: Tensor | None, eps: f
     out = torch.empty((B, L, C), dtype=x.dtype, device=x.device)
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
     mods = {"scale": scale, "shift": shift}
-    with blocks.kernel_threads():
-        for b, g, l0, l1, rows in walk_rows(B, L, rows_per_block(C), mods):
-            if (b, g) not in params:
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
+        def run(block: Block) -> None:
+            b, g, l0, l1, rows = block
+            if (b, g) not in params:  # two workers may both fold it: the same values
                 params[(b, g)] = _folded(rows["scale"], rows["shift"])
             w, bb = params[(b, g)]
             out[b, l0:l1].copy_(F.layer_norm(x[b, l0:l1], (C,), w, bb, eps))
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, rows_per_block(C), mods)), body)
     return out
 
 
@@ -143,7 +153,6 @@ def _(x, scale, shift, eps, exact):
 
 
 @opaque_op("ditops::cpu_adaln_residual")
-@blocks.threaded
 def residual(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     """``residual + gate * x`` in their dtype for [B, L, C] tensors (``gate`` None: no
     gating); eager's bits in both modes."""
@@ -152,11 +161,18 @@ def residual(residual: Tensor, x: Tensor, gate: Tensor | None) -> Tensor:
     if residual.numel() == 0:
         return out
     step = rows_per_block(C)
-    tmp = _scratch(min(step, L), C, residual)
-    for b, _, l0, l1, rows in walk_rows(B, L, step, {"gate": gate}):
-        _residual_block(
-            residual[b, l0:l1], x[b, l0:l1], rows["gate"], tmp[: l1 - l0], out[b, l0:l1]
-        )
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
+        tmp = scratch.take(2, min(step, L), C, residual.dtype)
+
+        def run(block: Block) -> None:
+            b, _, l0, l1, rows = block
+            r, xb, nb = residual[b, l0:l1], x[b, l0:l1], out[b, l0:l1]
+            _residual_block(r, xb, rows["gate"], tmp[: l1 - l0], nb)
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, step, {"gate": gate})), body)
     return out
 
 
@@ -166,7 +182,6 @@ def _(residual, x, gate):
 
 
 @opaque_op("ditops::cpu_adaln_residual_modulate")
-@blocks.threaded
 def residual_modulate(
     residual: Tensor,
     x: Tensor,
@@ -186,19 +201,27 @@ def residual_modulate(
         return out, new
     exact = exact or _exact_only(residual, scale, shift)
     step = rows_per_block(C)
-    tmp = _scratch(min(step, L), C, residual)
     mods = {"gate": gate, **(_one_plus(scale, L) if exact else {"scale": scale}), "shift": shift}
     params: dict[tuple[int, int], tuple[Tensor | None, Tensor | None]] = {}
-    for b, g, l0, l1, rows in walk_rows(B, L, step, mods):
-        nb = new[b, l0:l1]
-        _residual_block(residual[b, l0:l1], x[b, l0:l1], rows["gate"], tmp[: l1 - l0], nb)
-        if exact:
-            _modulate_block(nb, rows, eps, out[b, l0:l1])
-            continue
-        if (b, g) not in params:
-            params[(b, g)] = _folded(rows["scale"], rows["shift"])
-        w, bb = params[(b, g)]
-        out[b, l0:l1].copy_(F.layer_norm(nb, (C,), w, bb, eps))
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
+        tmp = scratch.take(2, min(step, L), C, residual.dtype)
+
+        def run(block: Block) -> None:
+            b, g, l0, l1, rows = block
+            nb = new[b, l0:l1]
+            _residual_block(residual[b, l0:l1], x[b, l0:l1], rows["gate"], tmp[: l1 - l0], nb)
+            if exact:
+                _modulate_block(nb, rows, eps, out[b, l0:l1])
+                return
+            if (b, g) not in params:  # two workers may both fold it: the same values
+                params[(b, g)] = _folded(rows["scale"], rows["shift"])
+            w, bb = params[(b, g)]
+            out[b, l0:l1].copy_(F.layer_norm(nb, (C,), w, bb, eps))
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, step, mods)), body)
     return out, new
 
 

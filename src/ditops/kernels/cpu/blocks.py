@@ -33,13 +33,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import inspect
 import mmap
 import os
 import sys
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 
@@ -169,8 +168,6 @@ def layer_norm_rows(
 #: :func:`kernel_threads`.
 THREADS: int | None = 1
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 @functools.cache
 def _omp() -> Any:
@@ -192,16 +189,15 @@ def kernel_threads(n: int | None = None) -> Iterator[None]:
     """The calling thread's intra-op threads set to ``n`` (default :data:`THREADS`) inside
     the block, restored after; other threads are not affected.
 
-    Why one thread: a blocked kernel is a chain of small ATen calls, each an OpenMP
-    parallel region ending in a barrier. On a machine whose cores are shared (another
-    process busy), each barrier waits for a descheduled worker, a scheduler slice at
-    worst, dozens of times per call. Measured on a 2-core EPYC at load 10-12
+    Why one thread per block: a blocked kernel is a chain of small ATen calls, each an
+    OpenMP parallel region ending in a barrier. On a machine whose cores are shared
+    (another process busy), each barrier waits for a descheduled worker, a scheduler
+    slice at worst, dozens of times per call. Measured on a 2-core EPYC at load 10-12
     (``benchmarks/cpu/busy_neighbour.txt``): with two threads the exact kernels ran at
     0.1-0.6x their meaning, with one at 2.4-8x (Wan's chain) and 1.2-3.5x (FLUX's). The
-    kernels move each byte once, so one thread keeps most of their gain on a quiet
-    machine too; on a many-core machine where one thread loses to the meaning's parallel
-    passes, ``DITOPS_TUNE`` runs the meaning. Set per thread through torch's OpenMP
-    runtime (``omp_set_num_threads`` sets the calling thread's value), not
+    cores are used by handing whole blocks to threads instead
+    (:mod:`ditops.kernels.cpu.workers`), which waits on nobody. Set per thread through
+    torch's OpenMP runtime (``omp_set_num_threads`` sets the calling thread's value), not
     ``torch.set_num_threads``, which also changes the default of threads started later.
     Where that runtime is not found, nothing changes.
     """
@@ -220,23 +216,6 @@ def kernel_threads(n: int | None = None) -> Iterator[None]:
         yield
     finally:
         lib.omp_set_num_threads(old)
-
-
-def threaded(fn: F) -> F:
-    """Decorator: ``fn`` (a blocked kernel) runs inside :func:`kernel_threads`. (Kernels
-    whose loops run in :func:`scratch` get it there: a single fused ATen call, as the
-    fast LayerNorm is, keeps every thread, one region being no worse than the meaning's.)"""
-
-    @functools.wraps(fn)
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with kernel_threads():
-            return fn(*args, **kwargs)
-
-    # torch.library reads the signature to infer the op's schema: give it fn's, with its
-    # annotations evaluated in fn's module (they are strings there, and this module
-    # lacks their names).
-    run.__signature__ = inspect.signature(fn, eval_str=True)  # type: ignore[attr-defined]
-    return run  # type: ignore[return-value]
 
 
 # --- per-thread scratch ----------------------------------------------------------------
@@ -324,9 +303,11 @@ def per_token(m: torch.Tensor | None, L: int) -> bool:
 
 
 Rows = dict[str, torch.Tensor | None]
+#: One block of :func:`walk_rows`: ``(b, g, l0, l1, rows)``.
+Block = tuple[int, int, int, int, Rows]
 
 
-def walk_rows(B: int, L: int, step: int, mods: Rows) -> Iterator[tuple[int, int, int, int, Rows]]:
+def walk_rows(B: int, L: int, step: int, mods: Rows) -> Iterator[Block]:
     """The row blocks of a call: ``(b, g, l0, l1, rows)``.
 
     Rows ``l0:l1`` of sample ``b`` all lie in group ``g`` (a frame; 0 without per-frame

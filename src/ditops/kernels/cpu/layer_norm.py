@@ -20,12 +20,12 @@ as opaque calls instead of unrolling the row loop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 
-from ditops.kernels.cpu import blocks
+from ditops.kernels.cpu import blocks, workers
 from ditops.kernels.opaque import opaque_op
 
 #: fp32 bytes per block of rows. Each ATen call on a block is one parallel region, so
@@ -77,14 +77,22 @@ def fp32_layer_norm(
     step = min(_rows_per_block(row_len), n_rows)
     piece = blocks.piece_rows(n_rows, step, 4 * row_len)
     step = blocks.block_step(step, piece)
-    with blocks.scratch() as scratch:
+    n_blocks = -(-n_rows // step)
+
+    def body(scratch: blocks.Scratch) -> Callable[[int], None]:
         full = scratch.take(0, step, row_len, torch.float32)
-        for start in range(0, n_rows, step):
+
+        def run(i: int) -> None:
+            start = i * step
             src = rows[start : start + step]
             buf = full if src.shape[0] == step else full[: src.shape[0]]
             buf.copy_(src)  # the exact fp32 value of every element, as .float()
             # copy_ into out rounds to nearest even exactly as .to() does.
             blocks.layer_norm_into(out[start : start + step], buf, w, b, eps, piece)
+
+        return run
+
+    workers.run_blocks(n_blocks, body)
     return out.reshape(x.shape)
 
 

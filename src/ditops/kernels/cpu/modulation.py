@@ -39,15 +39,17 @@ opaque op instead of unrolling the block loop.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 
-from ditops.kernels.cpu import blocks
-from ditops.kernels.cpu.blocks import Rows, per_token, walk_rows
+from ditops.kernels.cpu import blocks, workers
+from ditops.kernels.cpu.blocks import Block, Rows, per_token, walk_rows
 from ditops.kernels.opaque import opaque_op
 
-#: fp32 bytes per block of rows. The kernels run one intra-op thread
-#: (:func:`blocks.kernel_threads`), so no parallel region waits on a descheduled worker
+#: fp32 bytes per block of rows. Each block runs on one thread with one intra-op thread
+#: (:mod:`ditops.kernels.cpu.workers`), so no parallel region waits on a descheduled worker
 #: and the size is a matter of cache: the fused op's working set is about four blocks
 #: (its scratch slots, LayerNorm's output, the rows in and out), which at 4 MiB spilled
 #: out of a shared L3. Measured at Wan's bench shape (bf16 [8064, 1536], exact, one
@@ -183,11 +185,18 @@ def _gated_residual_exact(
     B, L, C = residual.shape
     step = rows_per_block(C)
     out = torch.empty_like(residual, memory_format=torch.contiguous_format)
-    with blocks.scratch() as scratch:
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in walk_rows(B, L, step, {"gate": gate}):
+
+        def run(block: Block) -> None:
+            b, _, l0, l1, rows = block
             acc = _gated_sum_exact(residual[b, l0:l1], x[b, l0:l1], rows["gate"], bufs)
             out[b, l0:l1].copy_(acc)
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, step, {"gate": gate})), body)
     return out
 
 
@@ -210,9 +219,12 @@ def _exact(
     if residual is not None:
         new_res = torch.empty_like(residual, memory_format=torch.contiguous_format)
     mods = {"gate": gate, **_scale_operands(scale, L), "shift": shift}
-    with blocks.scratch() as scratch:
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, _, l0, l1, rows in walk_rows(B, L, step, mods):
+
+        def run(block: Block) -> None:
+            b, _, l0, l1, rows = block
             xc = x[b, l0:l1]
             if residual is None or new_res is None:
                 y_in = xc if xc.dtype == torch.float32 else bufs.get(0, l1 - l0).copy_(xc)
@@ -223,6 +235,10 @@ def _exact(
                 if nr.dtype != torch.float32:
                     y_in.copy_(nr)  # the norm reads the rounded residual, as eager after type_as
             _ln_mod_block_exact(y_in, weight, bias, eps, rows, out[b, l0:l1], bufs, piece)
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, step, mods)), body)
     return out, new_res
 
 
@@ -289,9 +305,12 @@ def _fast(
     step, piece = _plan(B, L, step, row_bytes)
     params: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor | None]] = {}
     mods = {"gate": gate, "scale": scale, "shift": shift}
-    with blocks.scratch() as scratch:
+
+    def body(scratch: blocks.Scratch) -> Callable[[Block], None]:
         bufs = _Buffers(scratch, min(step, L), C)
-        for b, g, l0, l1, rows in walk_rows(B, L, step, mods):
+
+        def run(block: Block) -> None:
+            b, g, l0, l1, rows = block
             if residual is None or new_res is None:
                 normed_in = x[b, l0:l1]
             else:
@@ -301,11 +320,11 @@ def _fast(
             s, t = rows["scale"], rows["shift"]
             if fold:
                 key = (b, g)
-                if key not in params:
+                if key not in params:  # two workers may both fold it: the same values
                     params[key] = _folded_params(weight, bias, s, t, C)
                 w, bb = params[key]
                 blocks.layer_norm_into(out[b, l0:l1], normed_in, w, bb, eps, piece)
-                continue
+                return
             work = bufs.get(0, l1 - l0)
             # the rounded residual (or low-precision x) in fp32
             y_in = normed_in if normed_in.dtype == torch.float32 else work.copy_(normed_in)
@@ -317,6 +336,10 @@ def _fast(
             if t is not None:
                 y.add_(_f32_rows(t, bufs))
             out[b, l0:l1].copy_(y)
+
+        return run
+
+    workers.run_items(list(walk_rows(B, L, step, mods)), body)
     return out, new_res
 
 

@@ -32,9 +32,9 @@ and parallel regions of two walks) and they share the block's tables.
   reordering).
 
 Scratch (the fp32 block, a second one for exact mode and real rotations, one of the
-output dtype for roundings) is allocated once per call and reused by every block (a
-fresh allocation per block of this size hits glibc's mmap threshold: see the field
-notes).
+output dtype for roundings) is each worker thread's own, reused by every block and call
+(a fresh allocation per block of this size hits glibc's mmap threshold: see the field
+notes); the blocks are shared between the cores by :mod:`ditops.kernels.cpu.workers`.
 
 Each kernel is a ``torch.library`` custom op (:func:`~ditops.kernels.opaque.opaque_op`),
 so ``torch.compile`` calls it as one opaque op instead of unrolling the block loop.
@@ -42,13 +42,13 @@ so ``torch.compile`` calls it as one opaque op instead of unrolling the block lo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
-from ditops.kernels.cpu import blocks
+from ditops.kernels.cpu import blocks, workers
 from ditops.kernels.opaque import opaque_op
 from ditops.kernels.qk_norm_rope_tables import (
     LOW_PRECISION,
@@ -57,20 +57,17 @@ from ditops.kernels.qk_norm_rope_tables import (
     pair_tables,
 )
 
-#: fp32 bytes of the block (q and k rows together) per intra-op thread, chosen with
+#: fp32 bytes of the block (q and k rows together), chosen with
 #: benchmarks/cpu/probes/qk_block_size.py (the share of a clone's bandwidth per block
-#: size; rerun it on a new machine). Every ATen op on a block is one parallel region,
-#: and on a busy machine each region waits for a descheduled thread, so fewer, larger
-#: blocks per thread count (on a quiet machine a region costs microseconds).
+#: size; rerun it on a new machine). Each block runs on one thread.
 _BLOCK_BYTES = 2 * 1024 * 1024
 _F32 = torch.float32
 
 
 def _rows_per_block(width: int) -> int:
-    """Rows of ``width`` fp32 elements per block: ``_BLOCK_BYTES`` per intra-op thread, so
-    each thread's share stays the measured size while more threads mean fewer blocks,
-    hence fewer parallel regions (each a barrier for all threads)."""
-    return max(1, _BLOCK_BYTES * max(1, torch.get_num_threads()) // max(1, 4 * width))
+    """Rows of ``width`` fp32 elements per block: ``_BLOCK_BYTES`` (each block runs on
+    one thread, :mod:`ditops.kernels.cpu.workers`)."""
+    return max(1, _BLOCK_BYTES // max(1, 4 * width))
 
 
 def _blocks(B: int, L: int, step: int) -> Iterator[tuple[int, int, int]]:
@@ -326,31 +323,41 @@ def _run(
             form = "real"
     step = _rows_per_block(T * H * D)
     rows = min(step, L)
-    a = torch.empty((T, rows, H, D), dtype=_F32)
-    sq = torch.empty_like(a) if exact or form == "real" else None
     rounds = (
         norm is not None
         and round_normed
         and ((tabs is not None and dtype != _F32) or norm.round_before_weight)
     )
-    lp = torch.empty((T, rows, H, D), dtype=dtype) if rounds or form == "lp" else None
     plan = _Plan(norm, layout, compute, form, exact, round_normed)
 
-    def cut(buf: Tensor | None, n: int) -> Tensor | None:
-        return buf if buf is None or n == rows else buf[:, :n]
+    def body(scratch: blocks.Scratch) -> Callable[[tuple[int, int, int]], None]:
+        def take(slot: int, dt: torch.dtype) -> Tensor:
+            return scratch.take(slot, T * rows, H * D, dt).view(T, rows, H, D)
 
-    for b, l0, l1 in _blocks(B, L, step):
-        av = cut(a, l1 - l0)
-        assert av is not None
-        for i, x in enumerate(xs):
-            av[i].copy_(x[b, l0:l1])
-        t = None
-        if tabs is not None:
-            assert compute is not None
-            t = _block_tables(tabs, b, l0, l1, compute, layout, form)
-        res = _block(av, cut(sq, l1 - l0), cut(lp, l1 - l0), plan, t)
-        for i, out in enumerate(outs):
-            out[b, l0:l1].copy_(res[i])
+        a = take(0, _F32)
+        sq = take(1, _F32) if exact or form == "real" else None
+        lp = take(2, dtype) if rounds or form == "lp" else None
+
+        def cut(buf: Tensor | None, n: int) -> Tensor | None:
+            return buf if buf is None or n == rows else buf[:, :n]
+
+        def run(block: tuple[int, int, int]) -> None:
+            b, l0, l1 = block
+            av = cut(a, l1 - l0)
+            assert av is not None
+            for i, x in enumerate(xs):
+                av[i].copy_(x[b, l0:l1])
+            t = None
+            if tabs is not None:
+                assert compute is not None
+                t = _block_tables(tabs, b, l0, l1, compute, layout, form)
+            res = _block(av, cut(sq, l1 - l0), cut(lp, l1 - l0), plan, t)
+            for i, out in enumerate(outs):
+                out[b, l0:l1].copy_(res[i])
+
+        return run
+
+    workers.run_items(list(_blocks(B, L, step)), body)
     return outs
 
 
@@ -358,7 +365,6 @@ def _run(
 
 
 @opaque_op("ditops::cpu_rms_norm")
-@blocks.threaded
 def rms_norm(x: Tensor, weight: Tensor | None, eps: float, convention: str, exact: bool) -> Tensor:
     """RMSNorm over the last dim of ``x`` (any shape); ``exact`` gives eager's bits, fast
     changes only the reduction (see the module docstring)."""
@@ -378,7 +384,6 @@ def _(x, weight, eps, convention, exact):
 
 
 @opaque_op("ditops::cpu_rotary_embedding")
-@blocks.threaded
 def rotary_embedding(x: Tensor, cos: Tensor, sin: Tensor, layout: str) -> Tensor:
     """The rotation of ``x`` [B, L, H, D] by ``[Bt, L, Dt]`` tables; bitwise eager's."""
     tabs = pair_tables(cos, sin, x.shape[-1], layout)
@@ -392,7 +397,6 @@ def _(x, cos, sin, layout):
 
 
 @opaque_op("ditops::cpu_qk_norm_rope")
-@blocks.threaded
 def qk_norm_rope(
     q: Tensor,
     k: Tensor,
