@@ -21,7 +21,7 @@ from ditops import config
 from ditops._version import __version__
 from ditops.core import tune, tune_report
 from ditops.core.explain import explain, table
-from ditops.platform import DEVICE_KINDS, platform_summary
+from ditops.platform import DEVICE_KINDS, cpu_flags, platform_summary
 
 #: Bumped when a key of ``ditops info --json`` changes meaning or goes away.
 SCHEMA_VERSION = 2
@@ -55,15 +55,7 @@ def versions() -> dict[str, str | None]:
 def cpu() -> dict[str, Any]:
     """The CPU's model name and which of :data:`CPU_FEATURES` it has."""
     fp = tune.fingerprint()
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     features = {name: flag in flags for flag, name in CPU_FEATURES.items()}
     return {
         "model": fp.get("cpu", ""),

@@ -145,6 +145,25 @@ def cpu_half_matmuls_slow() -> str | None:
     return None if capability.startswith("AVX512") else capability
 
 
+@functools.cache
+def cpuinfo(field: str) -> str:
+    """The value of the first ``field`` line of /proc/cpuinfo (``"flags"``, ``"model name"``),
+    or ``""`` where there is no such line or file (not Linux, a sandbox)."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith(field):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flags() -> frozenset[str]:
+    """Every flag /proc/cpuinfo lists for this CPU (empty where it cannot be read)."""
+    return frozenset(cpuinfo("flags").split())
+
+
 def platform_summary() -> dict[str, Any]:
     """Versions and devices, for ``ditops info``."""
     info: dict[str, Any] = {

@@ -31,6 +31,7 @@ import torch
 
 from ditops._version import __version__
 from ditops.core.checks import positive_seconds
+from ditops.platform import cpu_flags
 
 
 @dataclass
@@ -349,15 +350,7 @@ def cpu_features() -> str:
     benchmarks/cpu/attention.txt, recorded with AMX, and of attention-avx2.txt, without);
     without AVX-512, bf16 matmuls take a slow fallback.
     """
-    flags: set[str] = set()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    break
-    except OSError:
-        pass
+    flags = cpu_flags()
     capability = torch.backends.cpu.get_cpu_capability()
     if not flags:
         return f"torch CPU capability {capability}"

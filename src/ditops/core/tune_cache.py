@@ -18,33 +18,20 @@ import torch
 
 from ditops import config
 from ditops._version import __version__
+from ditops.platform import cpu_flags as all_cpu_flags
+from ditops.platform import cpuinfo
 
 #: CPU flags that decide which kernels are fast (x86 names from /proc/cpuinfo).
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16", "amx_fp16")
 
 
-@functools.cache
 def cpu_flags() -> frozenset[str]:
     """The :data:`CPU_FLAGS` this CPU has (empty where /proc/cpuinfo is not readable)."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split()) & frozenset(CPU_FLAGS)
-    except OSError:
-        pass
-    return frozenset()
+    return all_cpu_flags() & frozenset(CPU_FLAGS)
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
 @functools.cache
