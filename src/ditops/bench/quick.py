@@ -91,7 +91,7 @@ def sparse_speed(dtype: torch.dtype) -> dict[str, Any]:
     """Part 2: per-call times of the wider pipeline, unpatched and sparse, and densities."""
     import ditops.integrations as patching
     from ditops.attention.schedule import BlockSparseConfig
-    from ditops.bench.harness import drift
+    from ditops.bench.accuracy import drift
     from ditops.bench.wan_probes import AttentionProbe
 
     pipe = tiny_wan_pipeline(dtype, layers=1, heads=HEADS, head_dim=128)
