@@ -21,7 +21,7 @@ from ditops.core.calls import OpCall
 from ditops.core.declared import Declared
 from ditops.core.fallback import run_meaning, run_path
 from ditops.core.paths import NATIVE, Decision, PathReport
-from ditops.core.plan import call_reasons, plan
+from ditops.core.plan import call_reasons, plan, small_call, small_why
 from ditops.core.traced import run_traced
 from ditops.platform import device_kind
 from ditops.tracing import traced
@@ -40,6 +40,8 @@ def run(op: Declared, call: OpCall, precision: str | None = None) -> Any:
     if traced():
         return run_traced(op, kind, call, precision)
     chosen = plan(type(op), kind, precision)
+    if chosen.small_meaning and small_call(chosen, tensors):
+        return run_meaning(op, call)
     if chosen.competitors:  # DITOPS_TUNE: the class's measured winner, or time them now
         out = tune.dispatch(op, kind, chosen, call, tensors)
         if out is not tune.STATIC:
@@ -68,6 +70,9 @@ def explain(op: Declared, call: OpCall, precision: str | None = None) -> Decisio
         candidates.append(PathReport(report.path, reasons, report.accepts))
         if not reasons and chosen == NATIVE:
             chosen = report.path
+    tensors = call.tensors()
+    if chosen_plan.small_meaning and small_call(chosen_plan, tensors):
+        return Decision(base.op, kind, base.precision, NATIVE, candidates, small_why(tensors))
     tuned = tune.recorded(op, kind, chosen_plan, call) if chosen_plan.competitors else None
     if tuned is not None and (
         tuned.winner == NATIVE or any(c.path == tuned.winner and c.usable for c in candidates)

@@ -30,6 +30,13 @@ class BackendUnavailableError(RuntimeError):
     """Strict mode: a fast path could not be used. The message says why and what to install."""
 
 
+#: CPU calls whose first tensor has at most this many elements run the meaning where it
+#: gives the bits every usable path gives (:attr:`Plan.small_meaning`): below it the
+#: blocked kernels save nothing (their fp32 temporaries fit in L2 either way) and a
+#: path's per-call work (the tuner's class lookup, scratch, worker hand-off) costs more
+#: than the plain torch expression (``benchmarks/cpu/probes/small_shapes.py``).
+SMALL_CALL_ELEMENTS = 32768
+
 #: The reason a CPU call with NaN/inf in a guarded input runs the meaning.
 NON_FINITE_REASON = "an input holds NaN or inf: the meaning runs, so they propagate as in it"
 
@@ -43,6 +50,10 @@ class Plan:
     decision: Decision
     #: What DITOPS_TUNE times against each other (paths, then the meaning), when it may.
     competitors: tuple[str, ...] = ()
+    #: Small calls (:data:`SMALL_CALL_ELEMENTS`) run the meaning: on CPU, with
+    #: ``DITOPS_TUNE`` not ``off``, where the meaning competes and every usable path
+    #: gives its bits (so the rule, like the tuner, never changes a result).
+    small_meaning: bool = False
 
 
 #: op class -> (kind, precision, settings, state version) -> its plan.
@@ -103,7 +114,21 @@ def make_plan(
     # Only paths giving the same bits compete: timing never changes a result.
     same = same_bits.competitors(usable, precision, cls.meaning_competes)
     competitors = same if cfg.tune != "off" else ()
-    return Plan(routes, precision == "exact", decision, competitors)
+    small = kind == "cpu" and NATIVE in competitors and len(competitors) == len(usable) + 1
+    return Plan(routes, precision == "exact", decision, competitors, small)
+
+
+def small_call(chosen: Plan, tensors: list[torch.Tensor]) -> bool:
+    """Whether this call runs the meaning by its size (:attr:`Plan.small_meaning`)."""
+    return chosen.small_meaning and tensors[0].numel() <= SMALL_CALL_ELEMENTS
+
+
+def small_why(tensors: list[torch.Tensor]) -> str:
+    """Why a small call runs the meaning, in words (explanations)."""
+    return (
+        f"a small call ({tensors[0].numel()} elements <= {SMALL_CALL_ELEMENTS}): the meaning "
+        "runs, which gives every usable path's bits and costs less than a path's call"
+    )
 
 
 def static_reasons(
