@@ -1,7 +1,7 @@
 """The small-call rule (issue 39): a CPU call under ``SMALL_CALL_ELEMENTS`` runs the
-meaning where every usable path gives the meaning's bits and tuning is on, so a small
-tensor never pays a path's per-call work (the tuner's lookup, the block walk). It never
-changes a result: not in ``fast`` where a path rounds its own way, not with tuning off."""
+meaning (a static rule by size, in both precisions, whatever ``DITOPS_TUNE`` says), so a
+small tensor never pays a path's per-call work (the tuner's lookup, the block walk); an
+op whose meaning does not compete, or that opts out, keeps its path."""
 
 from __future__ import annotations
 
@@ -80,20 +80,47 @@ def test_exact_calls_of_a_path_with_its_own_fast_bits_are_small_calls_too() -> N
     assert RAN == [NATIVE]
 
 
-def test_fast_calls_of_a_path_rounding_its_own_way_keep_the_path() -> None:
+@pytest.mark.parametrize("tune", ["off", "on", "cache"])
+@pytest.mark.parametrize("precision", ["exact", "fast"])
+def test_the_rule_is_static_whatever_the_tuning_mode(tune: str, precision: str) -> None:
     x = torch.randn(4, 16)
-    with config.override(tune="cache", precision="fast"):
-        own_bits(x)
-        decision = own_bits.explain_call(x)
-    assert RAN == ["forward_cpu"]
-    assert decision.chosen == "forward_cpu" and decision.tuned == ""
+    with config.override(tune=tune, precision=precision):
+        assert torch.equal(own_bits(x), x + 1)
+    assert RAN == [NATIVE]
 
 
-def test_tuning_off_is_the_declared_order() -> None:
+@register_op("toy_small_oracle")
+class ToyOracle(CustomOp):
+    """The meaning is a memory-bound oracle (it does not compete)."""
+
+    meaning_competes = False
+
+    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
+        RAN.append(NATIVE)
+        return x + 1
+
+    @path(precisions=("exact", "fast"))
+    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
+        RAN.append("forward_cpu")
+        return x + 1
+
+
+@register_op("toy_small_opted_out")
+class ToyOptedOut(ToyOwnBits):
+    small_calls_run_meaning = False
+
+
+@pytest.mark.parametrize("cls", [ToyOracle, ToyOptedOut])
+def test_an_oracle_or_an_op_that_opts_out_keeps_its_path(cls: type[CustomOp]) -> None:
     x = torch.randn(4, 16)
-    with config.override(tune="off", precision="exact"):
-        same_bits(x)
+    with config.override(tune="cache", precision="exact"):
+        cls()(x)
+        assert cls().explain_call(x).tuned == ""
     assert RAN == ["forward_cpu"]
+
+
+def test_estimate_block_mask_opts_out() -> None:
+    assert ditops.estimate_block_mask.op.small_calls_run_meaning is False
 
 
 def test_a_larger_call_is_not_small() -> None:
