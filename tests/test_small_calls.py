@@ -90,19 +90,10 @@ def test_the_rule_is_static_whatever_the_tuning_mode(tune: str, precision: str) 
 
 
 @register_op("toy_small_oracle")
-class ToyOracle(CustomOp):
+class ToyOracle(ToyOwnBits):
     """The meaning is a memory-bound oracle (it does not compete)."""
 
     meaning_competes = False
-
-    def forward_native(self, x: torch.Tensor) -> torch.Tensor:
-        RAN.append(NATIVE)
-        return x + 1
-
-    @path(precisions=("exact", "fast"))
-    def forward_cpu(self, x: torch.Tensor) -> torch.Tensor:
-        RAN.append("forward_cpu")
-        return x + 1
 
 
 @register_op("toy_small_opted_out")
