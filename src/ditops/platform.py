@@ -48,7 +48,8 @@ def device_kind(obj: torch.Tensor | torch.device | str) -> str:
     to dispatch CPU tensors as if they lived on another device).
     """
     if isinstance(obj, torch.Tensor):
-        dev_type = obj.device.type
+        # is_cpu first: it reads a flag, .device builds a torch.device (per op call)
+        dev_type = "cpu" if obj.is_cpu else obj.device.type
     elif isinstance(obj, torch.device):
         dev_type = obj.type
     elif isinstance(obj, str):
