@@ -120,15 +120,16 @@ def make_plan(
     return Plan(routes, precision == "exact", decision, competitors, small)
 
 
-def small_call(chosen: Plan, tensors: list[torch.Tensor]) -> bool:
-    """Whether this call runs the meaning by its size (:attr:`Plan.small_meaning`)."""
-    return chosen.small_meaning and tensors[0].numel() <= SMALL_CALL_ELEMENTS
+def small_call(chosen: Plan, first: torch.Tensor | None) -> bool:
+    """Whether a call whose first tensor is ``first`` runs the meaning by its size
+    (:attr:`Plan.small_meaning`)."""
+    return chosen.small_meaning and first is not None and first.numel() <= SMALL_CALL_ELEMENTS
 
 
-def small_why(tensors: list[torch.Tensor]) -> str:
+def small_why(first: torch.Tensor) -> str:
     """Why a small call runs the meaning, in words (explanations)."""
     return (
-        f"a small call ({tensors[0].numel()} elements <= {SMALL_CALL_ELEMENTS}): the meaning "
+        f"a small call ({first.numel()} elements <= {SMALL_CALL_ELEMENTS}): the meaning "
         "runs: it costs less than a path's call there (a static rule by size)"
     )
 
