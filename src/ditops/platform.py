@@ -49,7 +49,10 @@ def device_kind(obj: torch.Tensor | torch.device | str) -> str:
     """
     if isinstance(obj, torch.Tensor):
         # is_cpu first: it reads a flag, .device builds a torch.device (per op call)
-        dev_type = "cpu" if obj.is_cpu else obj.device.type
+        if obj.is_cpu:
+            forced = getattr(_local, "mapping", None)
+            return forced.get("cpu", "cpu") if forced else "cpu"
+        dev_type = obj.device.type
     elif isinstance(obj, torch.device):
         dev_type = obj.type
     elif isinstance(obj, str):
