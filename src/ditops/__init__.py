@@ -36,6 +36,7 @@ from ditops.ops.modulation_model_dtype import (
     adaln_residual_modulate,
 )
 from ditops.ops.qk_norm_rope import qk_norm_rope, rms_norm, rotary_embedding
+from ditops.ops.rms_norm_scale import rms_norm_scale
 from ditops.platform import device_kind, force_device_kind, visible_devices
 
 __all__ = [
@@ -56,6 +57,7 @@ __all__ = [
     "layer_norm_scale_shift",
     "qk_norm_rope",
     "rms_norm",
+    "rms_norm_scale",
     "rotary_embedding",
     "scale_residual_layer_norm_scale_shift",
     "CustomOp",
