@@ -45,7 +45,7 @@ TINY = dict(
 )
 TEXT = 7
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-LTX_OPS = ("rms_norm", "adaln_residual", "qk_norm_rope")
+LTX_OPS = ("rms_norm_scale", "adaln_residual", "qk_norm_rope")
 
 
 def tiny_ltx(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -114,7 +114,7 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     }
     assert torch.equal(run(model, **x), ref)
     # per forward, 2 blocks: norm1 and norm2, two gated residuals, one prologue each
-    assert cpu_paths == {"rms_norm": 4, "adaln_residual": 4, "qk_norm_rope": 2}
+    assert cpu_paths == {"rms_norm_scale": 4, "adaln_residual": 4, "qk_norm_rope": 2}
     ditops.unpatch(model)
     assert "forward" not in vars(model.transformer_blocks[0])
     assert type(model.transformer_blocks[0].attn1.processor).__name__ == "LTXVideoAttnProcessor"
@@ -132,7 +132,7 @@ def test_norms_with_weights_are_bitwise_too(cpu_paths: dict[str, int]) -> None:
     ref = run(model, **x)
     ditops.patch(model, precision="exact")
     assert torch.equal(run(model, **x), ref)
-    assert cpu_paths["rms_norm"] == 4
+    assert cpu_paths["rms_norm_scale"] == 4
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -323,7 +323,7 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     from ditops import config
     from ditops.custom_op import reset_state
     from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+    from ditops.ops import qk_norm_rope, rms_norm_scale
     from tests.integrations.spies import install_spies
 
     model = tiny_ltx(num_layers=1)
@@ -333,10 +333,10 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     reset_state()
     try:
         with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            ops = (qk_norm_rope.RMSNormOp, adaln.AdaLNResidualOp, qk_norm_rope.QKNormRopeOp)
+            ops = (rms_norm_scale.RMSNormScaleOp, adaln.AdaLNResidualOp, qk_norm_rope.QKNormRopeOp)
             used = install_spies(monkeypatch, ops, "forward_cuda")
             out = run(model, **x)
     finally:
         reset_state()
-    assert used == {"rms_norm": 2, "adaln_residual": 2, "qk_norm_rope": 1}
+    assert used == {"rms_norm_scale": 2, "adaln_residual": 2, "qk_norm_rope": 1}
     assert max_rel_err(out, ref) <= FAST_REL_TOL

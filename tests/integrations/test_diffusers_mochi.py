@@ -84,12 +84,12 @@ def run(model: nn.Module, **kw: object) -> torch.Tensor:
         return model(**kw, return_dict=False)[0]
 
 
-cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
+cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm", "rms_norm_scale")
 
-#: One forward: block 0 norms 8 rows sets (norm1..4 of both streams), block 1 (the last:
-#: context_pre_only) 5; each attention norms the text's q and k (2) and runs one fused
-#: video prologue; the output norm.
-PER_FORWARD = {"rms_norm": 8 + 5 + 2 * 2, "qk_norm_rope": 2, "adaln_modulate": 1}
+#: One forward: block 0 runs 8 modulated norms (norm1..4 of both streams), block 1 (the
+#: last: context_pre_only) 5; each attention norms the text's q and k (2) and runs one
+#: fused video prologue; the output norm.
+PER_FORWARD = {"rms_norm_scale": 8 + 5, "rms_norm": 2 * 2, "qk_norm_rope": 2, "adaln_modulate": 1}
 FUSED = {"fused blocks": 2, "fused attention prologues": 2, "fused output norm": 1}
 
 
@@ -187,10 +187,10 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
     )
     assert torch.equal(run(model, **x), ref)
     assert seen == [torch.float32]
-    assert cpu_paths["rms_norm"] == PER_FORWARD["rms_norm"] - fewer  # that block's norms
+    assert cpu_paths["rms_norm_scale"] == PER_FORWARD["rms_norm_scale"] - fewer  # its norms
     handle.remove()
     assert torch.equal(run(model, **x), ref)
-    assert cpu_paths["rms_norm"] == 2 * PER_FORWARD["rms_norm"] - fewer
+    assert cpu_paths["rms_norm_scale"] == 2 * PER_FORWARD["rms_norm_scale"] - fewer
 
 
 @pytest.mark.parametrize(
@@ -302,9 +302,10 @@ def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> N
     """Every fused op on its Triton path (interpreter, strict): the RMSNorms without
     weight in fp32, the prologue with the heads as the op's batch."""
     from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+    from ditops.ops import qk_norm_rope, rms_norm_scale
 
-    ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
+    ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp,
+           rms_norm_scale.RMSNormScaleOp)  # fmt: skip
     used = check_triton_paths(monkeypatch, tiny_mochi(), inputs(), run, ops, FAST_REL_TOL)
     assert used == PER_FORWARD
 

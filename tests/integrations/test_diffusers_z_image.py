@@ -101,14 +101,16 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
     return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
 
 
-ZIMAGE_OPS = ("adaln_modulate", "adaln_residual", "qk_norm_rope", "rms_norm")
+ZIMAGE_OPS = ("adaln_modulate", "adaln_residual", "qk_norm_rope", "rms_norm", "rms_norm_scale")
 cpu_paths = cpu_paths_of(*ZIMAGE_OPS)  # counts the calls reaching each op's forward_cpu
 
 
-def per_forward(blocks: int) -> dict[str, int]:
-    """Per block: four RMSNorms, two residuals, one prologue; the final layer's norm."""
+def per_forward(blocks: int, modulated: int) -> dict[str, int]:
+    """Per block: four RMSNorms (two times a scale in the ``modulated`` blocks), two
+    residuals, one prologue; the final layer's norm."""
     return {
-        "rms_norm": 4 * blocks,
+        "rms_norm": 4 * blocks - 2 * modulated,
+        "rms_norm_scale": 2 * modulated,
         "adaln_residual": 2 * blocks,
         "qk_norm_rope": blocks,
         "adaln_modulate": 1,
@@ -127,7 +129,7 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(dtype: str, cpu_paths
         "fused final layers": 1,
     }
     assert same(run(model, **x), ref)
-    assert cpu_paths == per_forward(4)
+    assert cpu_paths == per_forward(4, 3)  # the context refiner: no modulation
     ditops.unpatch(model)
     assert "forward" not in vars(model.layers[0])
     assert type(model.layers[0].attention.processor) is tz.ZSingleStreamAttnProcessor
@@ -142,7 +144,7 @@ def test_omni_mode_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict) 
     report = ditops.patch(model, precision="exact")
     assert report.models[NAME]["fused blocks"] == 5  # with the SigLIP refiner's
     assert same(run(model, **x), ref)
-    assert cpu_paths == per_forward(5)
+    assert cpu_paths == per_forward(5, 3)  # context and SigLIP refiners: none
 
 
 @pytest.mark.parametrize("dtype", list(DTYPES))
@@ -313,7 +315,7 @@ class TestContract(FamilyContract):
     life = LIFE
     triton_ops = ZIMAGE_OPS
     triton_tolerance = FAST_REL_TOL
-    triton_calls = per_forward(3)
+    triton_calls = per_forward(3, 2)
 
     def weights(self, model: nn.Module) -> list[torch.Tensor]:
         return [p for b in model.layers for p in (b.attention.norm_q.weight, b.ffn_norm1.weight)]

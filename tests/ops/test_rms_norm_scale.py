@@ -204,3 +204,33 @@ def test_bad_arguments_are_refused(kwargs: dict, error: type, match: str) -> Non
 def test_a_scale_on_another_device_is_refused() -> None:
     with pytest.raises(ValueError, match="scale is on meta but x is on cpu"):
         rms_norm_scale(_x(BF16), torch.ones(B, 1, C, device="meta"), EPS)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_triton_path_under_the_interpreter(dtype: torch.dtype) -> None:
+    """Dispatched as CUDA (Triton's interpreter on CPU tensors), strict, fast precision:
+    each family's form within 1 ulp of its eager expression (fp32: rtol 1e-5)."""
+    import ditops
+    from ditops.custom_op import reset_state
+    from tests.precision import assert_fast
+
+    x = _x(dtype)
+    w = (torch.randn(C, generator=torch.Generator().manual_seed(5)) * 0.3 + 1).to(dtype)
+    s, sh = 1 + _mod(dtype, L), _mod(dtype, seed=3)
+    with torch.inference_mode():
+        cases = [
+            (mochi_eager(x, s.float()), (x, s.float(), EPS), {"upcast": True}),
+            (z_image_eager(x, w, s), (x, s, EPS), {"weight": w}),
+            (ltx_eager(x, s - 1, sh), (x, s, EPS), {"shift": sh}),
+        ]
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}):
+            got = [_run("fast", *a, **kw) for _, a, kw in cases]
+    finally:
+        reset_state()
+    for out, (want, _, _) in zip(got, cases):
+        if dtype == FP32:
+            torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert_fast(out, want, max_ulp=1)

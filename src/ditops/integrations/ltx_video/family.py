@@ -20,13 +20,12 @@ once with ``[B, S, H * D]`` fp32 tables: ``(x.float() * cos + rot(x).float() * s
 .to(dtype)``; then q, k, v split into heads and ``dispatch_attention_fn``.
 
 The patched block runs the same expressions on ditops' ops where one reproduces them
-bitwise: both norms on :func:`~ditops.ops.qk_norm_rope.rms_norm` (``convention=
-"diffusers"``: diffusers' RMSNorm arithmetic), the two gated residuals on
+bitwise: both modulated norms ``rms(h) * (1 + c) + s`` on
+:func:`~ditops.ops.rms_norm_scale.rms_norm_scale` (diffusers' RMSNorm, the product and
+the sum each rounded to the model dtype, as eager; ``1 + c`` stays eager, as LTX adds
+it), the two gated residuals on
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual` (``h + g * a``: the same
-product and sum). The modulations ``* (1 + c) + s`` stay eager: ditops' modulated norms
-(``adaln_modulate``, ``layer_norm_scale_shift``) normalise with a LayerNorm, and LTX's norm
-is an RMSNorm; no op takes an RMSNorm and a modulation (a fused ``rms_modulate`` would be
-a new op). The cross-attention's plain residual add stays eager too (nothing to fuse).
+product and sum). The cross-attention's plain residual add stays eager (nothing to fuse).
 The self-attention prologue runs on :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` with the
 whole ``H * D`` row as one head (the norm spans all heads, and so do the tables), in
 torch's RMSNorm arithmetic and interleaved pairs: bitwise what LTX computes. The

@@ -17,6 +17,7 @@ from ditops.integrations.shared.ops import QKOps
 from ditops.integrations.shared.video_sparse import VideoSelfAttention
 from ditops.ops.modulation_model_dtype import AdaLNResidualOp
 from ditops.ops.qk_norm_rope import RMSNormOp
+from ditops.ops.rms_norm_scale import RMSNormScaleOp
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`).
 BLOCK_BYPASSES = ("norm1", "norm2")
@@ -26,16 +27,21 @@ PROLOGUE_BYPASS = Bypass((("norm_q", nn.RMSNorm), ("norm_k", nn.RMSNorm)))
 
 @dataclass(eq=False)
 class LTXOps(QKOps):
-    """The ops of one patched LTX model: ``rms`` (diffusers' RMSNorm, ``norm1``/``norm2``),
+    """The ops of one patched LTX model: ``rms_scale`` (diffusers' RMSNorm ``norm1`` /
+    ``norm2`` with its modulation ``* (1 + c) + s``), ``rms`` (the RMSNorm alone: LTX-2),
     ``residual`` (the gated residuals) and ``qk`` (the self-attention prologue)."""
 
     rms: RMSNormOp
+    rms_scale: RMSNormScaleOp
     residual: AdaLNResidualOp
 
 
-def _rms(ops: LTXOps, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    # diffusers' RMSNorm (no bias): the op's "diffusers" convention is its arithmetic.
-    return ops.rms(x, norm.weight, norm.eps, convention="diffusers")
+def _modulated(
+    ops: LTXOps, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
+    """``norm(x) * (1 + scale) + shift``: diffusers' RMSNorm (no bias) and both steps in
+    the model dtype, each rounded, on ``rms_norm_scale`` (``1 + scale`` as LTX adds it)."""
+    return ops.rms_scale(x, 1 + scale, norm.eps, weight=norm.weight, shift=shift)  # type: ignore[no-any-return]
 
 
 def block_forward(
@@ -59,7 +65,7 @@ def block_forward(
         batch_size, temb.size(1), table.shape[0], -1
     )
     shift_msa, scale_msa, gate_msa, shift_mlp, scale_mlp, gate_mlp = ada.unbind(dim=2)
-    n = _rms(ops, block.norm1, hidden_states) * (1 + scale_msa) + shift_msa
+    n = _modulated(ops, block.norm1, hidden_states, scale_msa, shift_msa)
     a = block.attn1(hidden_states=n, encoder_hidden_states=None, image_rotary_emb=image_rotary_emb)
     hidden_states = ops.residual(hidden_states, a, gate_msa)
     a = block.attn2(
@@ -69,7 +75,7 @@ def block_forward(
         attention_mask=encoder_attention_mask,
     )
     hidden_states = hidden_states + a
-    n = _rms(ops, block.norm2, hidden_states) * (1 + scale_mlp) + shift_mlp
+    n = _modulated(ops, block.norm2, hidden_states, scale_mlp, shift_mlp)
     return ops.residual(hidden_states, block.ff(n), gate_mlp)
 
 

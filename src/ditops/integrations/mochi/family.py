@@ -24,19 +24,18 @@ in fp32, rounding to the model dtype once per expression. With ``rms(x)`` diffus
   keeps]`` (text last, padded text left out), the padded rows' output zero.
 * ``norm_out`` (``AdaLayerNormContinuous``): ``LN(h) * (1 + scale) + shift``, model dtype.
 
-What the patched model runs on ditops' ops, bitwise the unpatched model: every ``rms``
-above on :func:`~ditops.ops.qk_norm_rope.rms_norm` (``convention="diffusers"``, no
-weight: the same code); the video q/k norm and rotation on
+What the patched model runs on ditops' ops, bitwise the unpatched model: every modulated
+norm above, ``(rms(x) * s).to(dtype)`` with its fp32 product and one rounding, on
+:func:`~ditops.ops.rms_norm_scale.rms_norm_scale` (``upcast=True``); the video q/k
+norm and rotation on
 :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` (the heads as its batch, so that the
 per-head tables are per-"batch" ``[H, L, 1, D/2]`` tables; torch's ``F.rms_norm``, the
 op's ``"torch"`` convention, is MochiRMSNorm's arithmetic on torch 2.13: checked, see
 ``torch_rms_norm_is_known``); the text q/k norms on ``rms_norm``; ``norm_out`` on
 :func:`~ditops.ops.modulation_model_dtype.adaln_modulate`.
 
-Left eager, as Mochi writes them: the modulation products and their casts (``rms(x) *
-s`` then ``.to(dtype)``: no op multiplies an fp32 norm by a per-sample fp32 scale and
-rounds once: the model-dtype ops round the norm first, the fp32 chain is a LayerNorm),
-the ``tanh`` gates and the residual adds (a model-dtype add of an already rounded
+Left eager, as Mochi writes them: ``1 + scale.float()``, the ``tanh`` gates and the
+residual adds (a model-dtype add of an already rounded
 term: ``adaln_residual`` would take the fp32 product unrounded), the linears, the
 feed-forwards and attention itself (per-sample SDPA, as the original).
 

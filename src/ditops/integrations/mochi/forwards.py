@@ -1,6 +1,6 @@
 """The fused forwards of a patched Mochi model: ``MochiTransformerBlock`` with its
-modulated RMSNorms on ditops' ``rms_norm`` (the rest of each expression as Mochi writes
-it), and :class:`FusedMochiAttnProcessor`, Mochi's joint attention with the q/k prologue
+modulated RMSNorms on ditops' ``rms_norm_scale`` (the rest of each expression as Mochi
+writes it), and :class:`FusedMochiAttnProcessor`, Mochi's joint attention with the q/k prologue
 on ``qk_norm_rope`` / ``rms_norm`` and optional block-sparse attention. The arithmetic
 they reproduce is written out in :mod:`ditops.integrations.mochi.family`, which checks a
 model and installs these.
@@ -45,15 +45,10 @@ BYPASSES = (
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 
 
-def _rms(ops: AdaLNOps, x: torch.Tensor, eps: float) -> torch.Tensor:
-    """diffusers' ``RMSNorm(0, eps, False)`` of ``x.to(float32)`` (fp32 out): the
-    ``rms_norm`` op's ``"diffusers"`` convention without a weight is that code."""
-    return ops.rms(x.to(torch.float32), None, eps, convention="diffusers")  # type: ignore[no-any-return]
-
-
 def modulated(ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``MochiModulatedRMSNorm(x, scale)``: ``(rms(x.float()) * scale).to(x.dtype)``."""
-    return (_rms(ops, x, norm.norm.eps) * scale).to(x.dtype)
+    """``MochiModulatedRMSNorm(x, scale)``: ``(rms(x.float()) * scale).to(x.dtype)``, the
+    ``rms_norm_scale`` op's ``upcast=True``."""
+    return ops.rms_scale(x, scale, norm.norm.eps, upcast=True)  # type: ignore[no-any-return]
 
 
 def _zero(
@@ -61,8 +56,8 @@ def _zero(
 ) -> tuple[torch.Tensor, ...]:
     """``MochiRMSNormZero(x, temb)``: the normed ``x`` and the gate / MLP scale / gate."""
     scale_msa, gate_msa, scale_mlp, gate_mlp = norm.linear(norm.silu(temb)).chunk(4, dim=1)
-    n = _rms(ops, x, norm.norm.eps) * (1 + scale_msa[:, None].to(torch.float32))
-    return n.to(x.dtype), gate_msa, scale_mlp, gate_mlp
+    n = modulated(ops, norm, x, 1 + scale_msa[:, None].to(torch.float32))
+    return n, gate_msa, scale_mlp, gate_mlp
 
 
 def _continuous(

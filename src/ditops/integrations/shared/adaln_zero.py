@@ -28,6 +28,7 @@ from ditops.ops.modulation_model_dtype import (
     AdaLNResidualOp,
 )
 from ditops.ops.qk_norm_rope import RMSNormOp
+from ditops.ops.rms_norm_scale import RMSNormScaleOp
 
 DIFFUSERS_042 = "diffusers 0.42"
 
@@ -54,13 +55,15 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
 @dataclass(eq=False)
 class AdaLNOps(QKOps):
     """The ops of one patched adaLN-Zero model (FLUX, HunyuanVideo and kin): the norms
-    without affine, the gated residual and both at once, the q/k prologue ``qk``, and
-    ``rms`` (an RMSNorm for rows that are normed but not rotated)."""
+    without affine, the gated residual and both at once, the q/k prologue ``qk``,
+    ``rms`` (an RMSNorm for rows that are normed but not rotated) and ``rms_scale`` (an
+    RMSNorm times a modulation scale, rounded as Mochi and Z-Image round)."""
 
     modulate: AdaLNModulateOp
     residual: AdaLNResidualOp
     residual_modulate: AdaLNResidualModulateOp
     rms: RMSNormOp
+    rms_scale: RMSNormScaleOp
 
 
 def ada_emb(norm: nn.Module, temb: torch.Tensor, chunks: int) -> tuple[torch.Tensor, ...]:

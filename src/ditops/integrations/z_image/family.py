@@ -23,8 +23,12 @@ padding mask; ``to_out``. The final layer (``all_final_layer``, one per patch si
 ``FinalLayer``) is ``linear(norm_final(x) * (1.0 + adaLN_modulation(c)))``, ``norm_final``
 a LayerNorm without affine.
 
-The patched model runs the same expressions on ditops' ops: the four RMSNorms of each block
-on :func:`~ditops.ops.qk_norm_rope.rms_norm` (``convention="diffusers"``), both residuals on
+The patched model runs the same expressions on ditops' ops: ``attention_norm1(x) *
+scale_msa`` and ``ffn_norm1(x) * scale_mlp`` on
+:func:`~ditops.ops.rms_norm_scale.rms_norm_scale` (the norm rounded to the weight's dtype,
+times the weight, times the scale, each rounded as eager), the other RMSNorms (and the
+unmodulated refiners') on :func:`~ditops.ops.qk_norm_rope.rms_norm`
+(``convention="diffusers"``), both residuals on
 :func:`~ditops.ops.modulation_model_dtype.adaln_residual` (without a gate where the block
 has none), the final layer's modulated norm on
 :func:`~ditops.ops.modulation_model_dtype.adaln_modulate` (scale only), and the prologue on
@@ -36,10 +40,8 @@ may contract the complex product into fused multiply-adds; elsewhere the ops' ex
 meaning is diffusers' expressions: nothing to gain). In exact precision the patched model
 is bitwise the unpatched one.
 
-Left as diffusers runs it, and why: the products ``norm1(x) * scale`` before attention and
-the feed-forward (no op computes an RMSNorm times a scale with the rounding of the norm's
-output in between; the norm is fused, the product is one eager multiply); the modulation
-projections, ``tanh`` and ``1 + scale``; attention, projections, the feed-forward; the
+Left as diffusers runs it, and why: the modulation projections, ``tanh`` and ``1 +
+scale`` (``[B, 1, D]``: nothing to fuse); attention, projections, the feed-forward; the
 caption embedder's RMSNorm; the timestep and rotary embeddings and the sequence packing.
 
 The skeleton's check (:mod:`~ditops.integrations.shared.family`) refuses a model whose

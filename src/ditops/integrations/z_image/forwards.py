@@ -58,8 +58,14 @@ def _rms(ops: AdaLNOps, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return ops.rms(x, norm.weight, norm.eps, "diffusers")
 
 
-def _scaled(n: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
-    return n if scale is None else n * scale
+def _scaled(
+    ops: AdaLNOps, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor | None
+) -> torch.Tensor:
+    """``norm(x) * scale`` (``norm(x)`` without a scale) on the ``rms_norm_scale`` op: the
+    norm rounded to the weight's dtype, times the weight, times the scale, as eager."""
+    if scale is None:
+        return _rms(ops, norm, x)
+    return ops.rms_scale(x, scale, norm.eps, weight=norm.weight)  # type: ignore[no-any-return]
 
 
 def block_forward(
@@ -90,12 +96,12 @@ def block_forward(
         block, x.shape[1], adaln_input, noise_mask, adaln_noisy, adaln_clean
     )
     attn_out = block.attention(
-        _scaled(_rms(ops, block.attention_norm1, x), scale_msa),
+        _scaled(ops, block.attention_norm1, x, scale_msa),
         attention_mask=attn_mask,
         freqs_cis=freqs_cis,
     )
     x = ops.residual(x, _rms(ops, block.attention_norm2, attn_out), gate_msa)
-    ff = block.feed_forward(_scaled(_rms(ops, block.ffn_norm1, x), scale_mlp))
+    ff = block.feed_forward(_scaled(ops, block.ffn_norm1, x, scale_mlp))
     return ops.residual(x, _rms(ops, block.ffn_norm2, ff), gate_mlp)
 
 

@@ -31,7 +31,7 @@ _BLOCK_BYTES = 2 * 1024 * 1024
 _F32 = torch.float32
 
 
-def _dtypes(
+def out_dtypes(
     x: Tensor, scale: Tensor, shift: Tensor | None, weight: Tensor | None, upcast: bool
 ) -> tuple[torch.dtype, torch.dtype, torch.dtype, torch.dtype]:
     """Eager's dtypes: the norm's, the product's, the sum's and the output's."""
@@ -84,12 +84,12 @@ def rms_norm_scale(
 ) -> Tensor:
     """``rms(x) * scale (+ shift)`` of ``x`` ``[B, L, C]`` with eager's roundings."""
     B, L, C = x.shape
-    nd, pd, sd, od = _dtypes(x, scale, shift, weight, upcast)
+    nd, pd, sd, od = out_dtypes(x, scale, shift, weight, upcast)
     out = torch.empty((B, L, C), dtype=od, device=x.device)
     if out.numel() == 0:
         return out
     w32 = None if weight is None else weight.to(_F32)
-    low = nd in LOW_PRECISION  # every rounding below is to nd (see _dtypes: pd, sd low => == nd)
+    low = nd in LOW_PRECISION  # every rounding below is to nd (see out_dtypes: pd, sd low => == nd)
     step = max(1, _BLOCK_BYTES // (4 * C))
     rows = min(step, L)
     items = [(b, l0, min(l0 + step, L)) for b in range(B) for l0 in range(0, L, step)]
@@ -126,5 +126,5 @@ def rms_norm_scale(
 
 @rms_norm_scale.register_fake
 def _(x, scale, shift, weight, eps, upcast):
-    od = _dtypes(x, scale, shift, weight, upcast)[3]
+    od = out_dtypes(x, scale, shift, weight, upcast)[3]
     return torch.empty(x.shape, dtype=od, device=x.device)
