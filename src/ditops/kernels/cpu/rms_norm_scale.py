@@ -90,6 +90,10 @@ def rms_norm_scale(
         return out
     w32 = None if weight is None else weight.to(_F32)
     low = nd in LOW_PRECISION  # every rounding below is to nd (see out_dtypes: pd, sd low => == nd)
+    # A rounding to the output's dtype just before the copy out is the copy's own.
+    round_prod = pd in LOW_PRECISION and not (shift is None and pd == od)
+    round_sum = sd in LOW_PRECISION and sd != od
+    same = scale.dtype == nd and (shift is None or shift.dtype == nd) and od == nd
     step = max(1, _BLOCK_BYTES // (4 * C))
     rows = min(step, L)
     items = [(b, l0, min(l0 + step, L)) for b in range(B) for l0 in range(0, L, step)]
@@ -104,19 +108,32 @@ def rms_norm_scale(
             n = l1 - l0
             av, lpv = a[:n], None if lp is None else lp[:n]
             av.copy_(x[b, l0:l1])
+            if lpv is not None and same:
+                # One low dtype throughout: eager's own ops in that dtype after the norm's
+                # rounding, on half the bytes of the fp32 steps.
+                _norm_(av, sq[:n], eps, None, None)
+                lpv.copy_(av)
+                if weight is not None:
+                    lpv.mul_(weight)
+                o, sh = out[b, l0:l1], _rows(shift, b, l0, l1)
+                if sh is None:
+                    torch.mul(lpv, _rows(scale, b, l0, l1), out=o)
+                else:
+                    torch.add(lpv.mul_(_rows(scale, b, l0, l1)), sh, out=o)
+                return
             # a bf16/fp16 weight is nd: the norm rounds to it before the weight
             _norm_(av, sq[:n], eps, w32, lpv if w32 is not None else None)
             if lpv is not None:
                 _to_(av, lpv)  # the norm's output dtype
             av.mul_(_rows(scale, b, l0, l1))
-            if lpv is not None and pd in LOW_PRECISION:
+            if lpv is not None and round_prod:
                 _to_(av, lpv)
             sh = _rows(shift, b, l0, l1)
             if sh is not None:
                 av.add_(sh)
-                if lpv is not None and sd in LOW_PRECISION:
+                if lpv is not None and round_sum:
                     _to_(av, lpv)
-            out[b, l0:l1].copy_(av)
+            out[b, l0:l1].copy_(av)  # rounds to od: eager's last rounding when it is to od
 
         return run
 
