@@ -234,3 +234,31 @@ def test_triton_path_under_the_interpreter(dtype: torch.dtype) -> None:
             torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         else:
             assert_fast(out, want, max_ulp=1)
+
+
+@pytest.mark.parametrize(
+    ("x_dt", "w_dt", "s_dt", "h_dt"),
+    [
+        (BF16, FP16, FP16, None),  # the norm in the weight's dtype, one low dtype after
+        (BF16, BF16, FP32, None),  # the product promoted to fp32
+        (FP16, None, FP16, FP32),  # the sum promoted to fp32
+        (BF16, None, BF16, FP16),  # bf16 + fp16: fp32
+        (FP32, BF16, BF16, BF16),  # a bf16 weight on fp32 x: rounded to bf16 first
+    ],
+)
+def test_mixed_dtypes_follow_eager_promotion(
+    x_dt: torch.dtype, w_dt: Any, s_dt: torch.dtype, h_dt: Any
+) -> None:
+    x = _x(x_dt)
+    w = None if w_dt is None else (torch.randn(C) * 0.3 + 1).to(w_dt)
+    s, sh = 1 + _mod(s_dt, L), None if h_dt is None else _mod(h_dt, seed=3)
+    with torch.inference_mode():
+        n = DiffusersRMSNorm(C, EPS, w is not None)
+        if w is not None:
+            n = n.to(w_dt)
+            n.weight.copy_(w)
+        want = n(x) * s
+        want = want if sh is None else want + sh
+    got = _run("exact", x, s, EPS, weight=w, shift=sh)
+    assert got.dtype == want.dtype
+    assert_exact(got, want)
