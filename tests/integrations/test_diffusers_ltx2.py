@@ -146,9 +146,10 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
     else:
         assert summary["fused attention prologues"] == 2
     assert equal(run(model, **x), ref)
-    # per forward, 2 blocks: 4 norms and 4 residuals of each stream; the video prologue on
-    # the op with interleaved tables only (split's differ per head: diffusers' prologue)
-    want = {"rms_norm": 16, "adaln_residual": 16, "qk_norm_rope": 2}
+    # per forward, 2 blocks: 2 plain norms (2 more on rms_norm_scale: test_fused_rms_scale)
+    # and 4 residuals of each stream; the video prologue on the op with interleaved tables
+    # only (split's differ per head: diffusers' prologue)
+    want = {"rms_norm": 8, "adaln_residual": 16, "qk_norm_rope": 2}
     if variant == "split_rope":
         del want["qk_norm_rope"]
     assert cpu_paths == want

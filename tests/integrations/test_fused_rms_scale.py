@@ -89,3 +89,22 @@ def test_ltx_video_norms_with_weights_run_fused(cpu_paths: dict[str, int]) -> No
     ditops.patch(model, precision="exact")
     assert torch.equal(run(model, **x), ref)
     assert cpu_paths == {"rms_norm_scale": 2 * 2}
+
+
+@pytest.mark.parametrize(
+    ("dtype", "batch", "variant"),
+    [("fp32", 1, "plain"), ("bf16", 2, "plain"), ("fp16", 1, "plain"), ("bf16", 2, "ltx23")],
+)
+def test_ltx2_modulated_norms_run_fused(
+    dtype: str, batch: int, variant: str, cpu_paths: dict[str, int]
+) -> None:
+    from tests.integrations.test_diffusers_ltx2 import VARIANTS, equal, inputs, run, tiny_ltx2
+
+    model = tiny_ltx2(DTYPES[dtype], **VARIANTS[variant])
+    x = inputs(DTYPES[dtype], batch=batch)
+    ref = run(model, **x)
+    ditops.patch(model, precision="exact")
+    assert equal(run(model, **x), ref)
+    # per stream and block: the self-attention's and the feed-forward's norms times
+    # (1 + scale) plus shift; the text and cross-modal norms stay plain
+    assert cpu_paths == {"rms_norm_scale": 2 * 2 * 2, "rms_norm": 2 * 2 * 2}

@@ -25,12 +25,14 @@ computed with ``addcmul_``), attention, and with gated attention ``out * 2 sigmo
 to_gate_logits(x))`` per head.
 
 The patched block runs both streams on ditops' ops where one reproduces them bitwise:
-each stream's four norms (video ``norm1``, ``norm2``, ``audio_to_video_norm``,
-``norm3``; audio ``audio_norm1``, ``audio_norm2``, ``video_to_audio_norm``,
-``audio_norm3``) on :func:`~ditops.ops.qk_norm_rope.rms_norm` (diffusers' convention) and
-its four residuals (self-attention, text, cross-modal, feed-forward) on
-:func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the modulations ``* (1 + s) +
-t`` stay eager (no op pairs an RMSNorm with a modulation, as for LTX-Video). The video
+each stream's modulated norms (video ``norm1``, ``norm3``; audio ``audio_norm1``,
+``audio_norm3``: ``rms(x) * (1 + s) + t``, each step rounded as eager) on
+:func:`~ditops.ops.rms_norm_scale.rms_norm_scale`, its plain ones (``norm2``,
+``audio_to_video_norm``; ``audio_norm2``, ``video_to_audio_norm``) on
+:func:`~ditops.ops.qk_norm_rope.rms_norm` (diffusers' convention) and its four residuals
+(self-attention, text, cross-modal, feed-forward) on
+:func:`~ditops.ops.modulation_model_dtype.adaln_residual`; the cross-modal modulations of
+the normed rows and ``1 + s`` stay eager. The video
 self-attention's prologue runs on :func:`~ditops.ops.qk_norm_rope.qk_norm_rope` with the
 ``H * D`` row as one head when the rotary is interleaved. With ``split`` rotary (the
 LTX-2 checkpoints' config) the prologue is diffusers' (the report counts it apart): the

@@ -30,6 +30,13 @@ def _modulate(n: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor) -> torc
     return n * (1 + scale) + shift
 
 
+def _rms_modulate(
+    ops: LTXOps, norm: nn.Module, x: torch.Tensor, scale: torch.Tensor, shift: torch.Tensor
+) -> torch.Tensor:
+    """``_modulate(_rms(x), scale, shift)`` on ``rms_norm_scale``: the same roundings."""
+    return ops.rms_scale(x, 1 + scale, norm.eps, weight=norm.weight, shift=shift)  # type: ignore[no-any-return]
+
+
 def _text_kv(
     block: nn.Module, table: torch.Tensor, temb: Any, text: torch.Tensor, like: torch.Tensor
 ) -> torch.Tensor:
@@ -57,7 +64,7 @@ class _Stream:
 
     def self_attention(self, ops: LTXOps, rope: Any, mask: Any, perturbed: dict) -> None:
         shift, scale, gate = self.mods[:3]
-        n = _modulate(_rms(ops, self.norms[0], self.x), scale, shift)
+        n = _rms_modulate(ops, self.norms[0], self.x, scale, shift)
         out = self.attn1(
             hidden_states=n,
             encoder_hidden_states=None,
@@ -76,7 +83,7 @@ class _Stream:
 
     def feed_forward(self, ops: LTXOps) -> torch.Tensor:
         shift, scale, gate = self.mods[3:6]
-        n = _modulate(_rms(ops, self.norms[3], self.x), scale, shift)
+        n = _rms_modulate(ops, self.norms[3], self.x, scale, shift)
         return ops.residual(self.x, self.ff(n), gate)
 
 
