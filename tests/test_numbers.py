@@ -111,6 +111,10 @@ ACCEPTED: dict[str, tuple[Callable[[], Any], Callable[[], Any]]] = {
         lambda: ditops.rms_norm(x, torch.ones(16), np.float32(0.5)),
         lambda: ditops.rms_norm(x, torch.ones(16), 0.5),
     ),
+    "rms_norm_scale": (
+        lambda: ditops.rms_norm_scale(x.reshape(1, -1, 16), torch.ones(16), np.float32(0.5)),
+        lambda: ditops.rms_norm_scale(x.reshape(1, -1, 16), torch.ones(16), 0.5),
+    ),
 }
 
 

@@ -53,6 +53,7 @@ def _ops(x: torch.Tensor) -> dict[str, Callable[[], object]]:
         ),
         "gated_residual": lambda: ditops.gated_residual(x, x, gate),
         "rms_norm": lambda: ditops.rms_norm(x, weight, 1e-6),
+        "rms_norm_scale": lambda: ditops.rms_norm_scale(x, mscale, 1e-6, weight=weight),
         "FP32LayerNorm": lambda: norm(x),
         "adaln_modulate": lambda: ditops.adaln_modulate(x, mscale, mshift, 1e-6),
     }

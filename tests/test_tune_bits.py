@@ -141,6 +141,7 @@ def _sample(name: str) -> tuple[Callable[..., object], tuple[object, ...], dict[
         "gated_residual": ((r, x, mod), {}),
         "scale_residual_layer_norm_scale_shift": ((r, x, mod), {"scale": mod, "shift": mod}),
         "rms_norm": ((q4, w[:32].to(torch.bfloat16)), {"eps": 1e-6}),
+        "rms_norm_scale": ((x, mod, 1e-6), {"weight": w.to(x.dtype), "shift": mod}),
         "rotary_embedding": ((q4, cos, sin), {}),
         "qk_norm_rope": ((q4, k4, None, None, cos, sin, 1e-6), {}),
         "gelu_tanh_bias": ((x,), {}),
