@@ -1,15 +1,16 @@
 """What every patched model of a declared family must survive, written once: deep copies,
-pickling, patching again, torch.compile before any eager call, the Triton paths, and
-refusals that change nothing. A family's test module describes its tiny model as a
-:class:`Life` and subclasses :class:`FamilyContract` with it (``class
-TestContract(FamilyContract)``), or calls these checks."""
+pickling, patching again, torch.compile before any eager call, the Triton paths, offload
+hooks, and refusals that change nothing. A family's test module describes its tiny model
+as a :class:`Life` and subclasses :class:`FamilyContract` with it (``class
+TestContract(FamilyContract)``; :class:`OffloadContract` adds the offload modes), and
+keeps only its own tests: its tiny model, inputs and what no other family has."""
 
 from __future__ import annotations
 
 import copy
 import io
 import pickle
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -36,24 +37,51 @@ class Life:
     inputs: Callable[[], dict]
     #: ``run(model, **inputs)``: the output, under inference mode.
     run: Callable[..., Any]
-    #: Whether two outputs are bitwise equal.
-    same: Callable[[Any, Any], bool]
     #: A fused block of a model (where ``forward`` is patched on the instance).
     block: Callable[[nn.Module], nn.Module]
     #: Its attention module (where the processor is swapped).
     attention: Callable[[nn.Module], nn.Module]
     #: diffusers' processor class the attention has unpatched.
     processor: type
+    #: Whether two outputs are bitwise equal.
+    same: Callable[[Any, Any], bool] = torch.equal
 
 
-@pytest.fixture
-def fresh_process(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """No op planned, no settings read, dynamo reset: as a fresh process starts."""
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
+def first_output(model: nn.Module, **inputs: Any) -> Any:
+    """The model's first output under inference mode (most families' ``run``)."""
+    with torch.inference_mode():
+        return model(**inputs, return_dict=False)[0]
+
+
+def changed(owner: object, name: str) -> Callable[[pytest.MonkeyPatch, nn.Module], None]:
+    """A change for :func:`refused_whole`: ``owner.<name>`` replaced by a wrapper calling
+    it: the same arithmetic, another source, so another fingerprint (a diffusers version
+    ditops does not know)."""
+
+    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+        change_source(monkeypatch, owner, name)
+
+    return change
+
+
+def change_source(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> None:
+    """Replace ``owner.<name>`` by a wrapper calling it (see :func:`changed`)."""
+    original = getattr(owner, name)
+
+    def wrapper(*args, **kwargs):
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, wrapper)
+
+
+def cached_steps(model: nn.Module, x: dict, timesteps: list[torch.Tensor]) -> list[torch.Tensor]:
+    """One output per timestep, each call in ``cache_context("cond", step_index=i)``."""
+    outs = []
+    with torch.inference_mode():
+        for i, t in enumerate(timesteps):
+            with model.cache_context("cond", step_index=i):
+                outs.append(model(**{**x, "timestep": t}, return_dict=False)[0])
+    return outs
 
 
 def unpatched(life: Life, model: nn.Module) -> bool:
@@ -65,15 +93,18 @@ def unpatched(life: Life, model: nn.Module) -> bool:
     )
 
 
-def refused_whole(life: Life, change: Callable, fragment: str, mp: pytest.MonkeyPatch) -> None:
-    """``change(monkeypatch, model)`` makes the model one the patch must refuse, naming
-    ``fragment``; nothing changes, and once the change is undone the model is itself."""
+def refused_whole(
+    life: Life, change: Callable, fragment: str, mp: pytest.MonkeyPatch, **options: Any
+) -> None:
+    """``change(monkeypatch, model)`` makes the model one ``patch(model, **options)`` must
+    refuse, naming ``fragment``; nothing changes, and once the change is undone the model
+    is itself."""
     model = life.make()
     x = life.inputs()
     ref = life.run(model, **x)
     change(mp, model)
     with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
+        ditops.patch(model, **options)
     assert unpatched(life, model)
     mp.undo()
     assert life.same(life.run(model, **x), ref)
@@ -122,6 +153,7 @@ def patched_model_pickles(life: Life) -> None:
     assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
     ditops.unpatch(loaded)
     assert unpatched(life, loaded)
+    assert life.same(life.run(loaded, **x), life.run(life.make(), **x))
 
 
 def patching_again_switches_precision(life: Life) -> None:
@@ -183,8 +215,9 @@ class FamilyContract:
     """The checks above as tests: a family's test module subclasses this with its tiny
     model (:attr:`life`), the weights a deep copy halves (:meth:`weights`), the model of one
     block of each kind that compile and the Triton paths run (:meth:`small`) and what each
-    op is called there (:attr:`triton_calls`). The module imports ``fresh_process`` (the
-    compile test's fixture)."""
+    op is called there (:attr:`triton_calls`). A family that serves sparse attention sets
+    ``test_sparse_attention_is_refused_naming_the_families_that_serve_it = None`` and tests
+    its density itself."""
 
     life: ClassVar[Life]
     #: The ops on the Triton paths, the relative tolerance, and each op's calls there.
@@ -225,3 +258,45 @@ class FamilyContract:
             self.small(), monkeypatch, self.triton_ops, self.triton_tolerance
         )
         assert used == self.triton_calls
+
+
+def offload_matches(life: Life, mode: str, order: str, tmp: Any) -> dict[str, str]:
+    """The exact-patched model under an offload mode of tests/integrations/test_offload.py
+    (applied before or after the patch: ``order``) is bitwise the unpatched model under
+    the same offload; returns ``explain_patch``'s places for the caller to check."""
+    from tests.integrations.test_offload import MODES
+
+    apply = MODES[mode][0]
+    x = life.inputs()
+    plain = life.make()
+    apply(plain, tmp / "a")
+    want = life.run(plain, **x)
+    model = life.make()
+    if order == "offload-first":
+        apply(model, tmp / "b")
+    ditops.patch(model, precision="exact")
+    if order == "patch-first":
+        apply(model, tmp / "b")
+    assert life.same(life.run(model, **x), want)
+    return ditops.explain_patch(model)[type(model).__name__]
+
+
+class OffloadContract:
+    """diffusers' and accelerate's offload modes in both orders (tests/integrations/
+    test_offload.py): bitwise the unpatched model under the same offload; ``offloaded``
+    checks what stayed fused (``explain_patch``'s places), given the fixtures named in
+    :attr:`offload_fixtures` (set up before the model runs: a ``cpu_paths`` spy)."""
+
+    life: ClassVar[Life]
+    offload_fixtures: ClassVar[tuple[str, ...]] = ()
+
+    def offloaded(self, places: dict[str, str], mode: str, **fixtures: Any) -> None:
+        raise NotImplementedError
+
+    @pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
+    @pytest.mark.parametrize("order", ["offload-first", "patch-first"])
+    def test_offload_gives_the_unpatched_model_under_the_same_offload(
+        self, mode: str, order: str, tmp_path: Any, request: pytest.FixtureRequest
+    ) -> None:
+        fixtures = {name: request.getfixturevalue(name) for name in self.offload_fixtures}
+        self.offloaded(offload_matches(self.life, mode, order, tmp_path), mode, **fixtures)

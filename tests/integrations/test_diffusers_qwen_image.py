@@ -22,7 +22,7 @@ import ditops
 from tests.integrations.family_life import (
     FamilyContract,
     Life,
-    fresh_process,  # noqa: F401 (a fixture)
+    changed,
     refused_whole,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
@@ -251,18 +251,6 @@ LIFE = Life(
 )
 
 
-def _changed(owner: object, attr: str):
-    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-        original = getattr(owner, attr)
-
-        def changed(*args, **kwargs):
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, attr, changed)
-
-    return change
-
-
 def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     monkeypatch.setattr(model.transformer_blocks[1].attn.norm_added_k, "eps", 1e-5)
 
@@ -271,16 +259,16 @@ def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     ("change", "fragment"),
     [
         (
-            _changed(tq.QwenImageTransformerBlock, "forward"),
+            changed(tq.QwenImageTransformerBlock, "forward"),
             r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose",
         ),
         (
-            _changed(tq.QwenImageTransformerBlock, "_modulate"),
+            changed(tq.QwenImageTransformerBlock, "_modulate"),
             r"QwenImageTransformerBlock._modulate of diffusers .* differs",
         ),
-        (_changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
+        (changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
         (
-            _changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
+            changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
             r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \(",
         ),
         (_eps, r"transformer_blocks\[1\].attn.norm_added_q/norm_added_k have different eps"),

@@ -23,7 +23,7 @@ from ditops.integrations import PatchError
 from tests.integrations.family_life import (
     FamilyContract,
     Life,
-    fresh_process,  # noqa: F401 (a fixture)
+    changed,
     refused_whole,
 )
 from tests.integrations.spies import cpu_paths_of
@@ -248,18 +248,6 @@ LIFE = Life(
 )
 
 
-def _changed(owner: object, attr: str):
-    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-        original = getattr(owner, attr)
-
-        def changed(*args, **kwargs):
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, attr, changed)
-
-    return change
-
-
 def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     monkeypatch.setattr(model.layers[1].attention.norm_k, "eps", 1e-6)
 
@@ -273,13 +261,13 @@ def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     ("change", "fragment"),
     [
         (
-            _changed(tz.ZImageTransformerBlock, "forward"),
+            changed(tz.ZImageTransformerBlock, "forward"),
             r"noise_refiner\[0\] is a ZImageTransformerBlock whose forward",
         ),
-        (_changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
-        (_changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
+        (changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
+        (changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
         (
-            _changed(tz.ZSingleStreamAttnProcessor, "__call__"),
+            changed(tz.ZSingleStreamAttnProcessor, "__call__"),
             r"attention.processor ZSingleStreamAttnProcessor.__call__ \(",
         ),
         (_eps, r"layers\[1\].attention.norm_q/norm_k have different eps"),
