@@ -233,6 +233,10 @@ class FamilyContract:
         """The model with one block of each kind."""
         raise NotImplementedError
 
+    def compiled(self) -> Life:
+        """The model compile runs (by default :meth:`small`'s)."""
+        return self.small()
+
     def prepare_compile(self, model: nn.Module) -> None:
         """What must run eagerly before compiling (not ditops')."""
 
@@ -251,7 +255,7 @@ class FamilyContract:
     @pytest.mark.slow
     @pytest.mark.usefixtures("fresh_process")
     def test_compile_first_fullgraph_without_recompiles(self) -> None:
-        compile_first_fullgraph(self.small(), self.prepare_compile)
+        compile_first_fullgraph(self.compiled(), self.prepare_compile)
 
     def test_patched_model_on_the_triton_paths(self, monkeypatch: pytest.MonkeyPatch) -> None:
         used = on_the_triton_paths(
