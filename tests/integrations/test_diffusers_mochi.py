@@ -21,14 +21,13 @@ from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations import PatchError
-from tests.integrations.family_checks import assert_refused_whole, cached_steps
-from tests.integrations.family_life import fresh_process  # noqa: F401 (a fixture)
-from tests.integrations.lifecycle import (
-    change_source,
-    check_deep_copy,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    cached_steps,
+    changed,
+    first_output,
+    refused_whole,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
@@ -79,9 +78,7 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2, empty: bool = Fa
     }
 
 
-def run(model: nn.Module, **kw: object) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(**kw, return_dict=False)[0]
+run = first_output
 
 
 cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
@@ -193,69 +190,74 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
     assert cpu_paths["rms_norm"] == 2 * PER_FORWARD["rms_norm"] - fewer
 
 
-@pytest.mark.parametrize(
-    ("owner", "name", "fragment"),
-    [
-        (
-            tm.MochiTransformerBlock,
-            "forward",
-            r"transformer_blocks\[0\] is a MochiTransformerBlock",
-        ),
-        (ap.MochiAttnProcessor2_0, "__call__", r"attn1.processor .*differs from the versions"),
-        (tm.MochiModulatedRMSNorm, "forward", r"MochiModulatedRMSNorm.forward of diffusers"),
-        (diffusers.models.normalization.MochiRMSNorm, "forward", r"MochiRMSNorm.forward of"),
-    ],
-    ids=["block", "processor", "modulated_norm", "qk_norm"],
+LIFE = Life(
+    make=tiny_mochi,
+    inputs=inputs,
+    run=first_output,
+    block=lambda m: m.transformer_blocks[0],
+    attention=lambda m: m.transformer_blocks[0].attn1,
+    processor=ap.MochiAttnProcessor2_0,
 )
-def test_a_changed_diffusers_function_is_refused(
-    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str
-) -> None:
-    change_source(monkeypatch, owner, name)
-    model = tiny_mochi()
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn1.processor) is ap.MochiAttnProcessor2_0
 
 
 class MyProcessor(ap.MochiAttnProcessor2_0):
     pass
 
 
+def _own_processor(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+    monkeypatch.setattr(model.transformer_blocks[0].attn1, "processor", MyProcessor())
+
+
+def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+    monkeypatch.setattr(model.transformer_blocks[1].attn1.norm_k, "eps", 1e-3)
+
+
+SPARSE = {"attention": BlockSparseConfig(sparsity=0.5)}
+
+
 @pytest.mark.parametrize(
     ("change", "options", "fragment"),
     [
         (
-            lambda m: setattr(m.transformer_blocks[0].attn1, "processor", MyProcessor()),
-            {"attention": BlockSparseConfig(sparsity=0.5)},
-            r"transformer_blocks\[0\].attn1.processor is a MyProcessor, not MochiAttnProcessor2_0",
+            changed(tm.MochiTransformerBlock, "forward"),
+            {},
+            r"transformer_blocks\[0\] is a MochiTransformerBlock",
         ),
         (
-            lambda m: setattr(m.transformer_blocks[1].attn1.norm_k, "eps", 1e-3),
+            changed(ap.MochiAttnProcessor2_0, "__call__"),
             {},
-            r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps",
+            r"attn1.processor .*differs from the versions",
         ),
+        (
+            changed(tm.MochiModulatedRMSNorm, "forward"),
+            {},
+            r"MochiModulatedRMSNorm.forward of diffusers",
+        ),
+        (
+            changed(diffusers.models.normalization.MochiRMSNorm, "forward"),
+            {},
+            r"MochiRMSNorm.forward of",
+        ),
+        (
+            _own_processor,
+            SPARSE,
+            r"transformer_blocks\[0\].attn1.processor is a MyProcessor, not MochiAttnProcessor2_0",
+        ),
+        (_qk_eps, {}, r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps"),
     ],
-    ids=["sparse_with_a_processor_of_yours", "qk_eps"],
+    ids=[
+        "block",
+        "processor",
+        "modulated_norm",
+        "qk_norm",
+        "sparse_with_a_processor_of_yours",
+        "qk_eps",
+    ],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
-    change, options: dict, fragment: str
+    change, options: dict, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_mochi()
-    change(model)
-    assert_refused_whole(model, run, inputs(), fragment, **options)
-
-
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_pickle_and_patching_again() -> None:
-    def halve(twin: nn.Module) -> None:
-        twin.transformer_blocks[0].attn1.norm_q.weight.mul_(0.5)
-
-    check_deep_copy(tiny_mochi(), inputs(), run, halve)
-    check_pickles_and_patches_again(tiny_mochi(), inputs(), run)
+    refused_whole(LIFE, change, fragment, monkeypatch, **options)
 
 
 #: Three steps' timesteps, two samples each.
@@ -285,28 +287,25 @@ def test_first_block_cache_in_both_orders() -> None:
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("fresh_process")
-def test_compile_matches_eager() -> None:
-    """torch.compile (aot_eager) of the patched model, before any eager call. Not
-    fullgraph: Mochi's attention picks each sample's text tokens with ``nonzero`` (a
-    data-dependent shape), a graph break unpatched too; the fused blocks trace."""
-    x = inputs()
-    model = tiny_mochi()
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, backend="aot_eager")
-    assert torch.equal(run(compiled, **x), run(tiny_mochi(), **x))
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): deep copies, pickling,
+    patching again, compile first (not fullgraph: Mochi's attention picks each sample's
+    text tokens with ``nonzero``, a data-dependent shape, a graph break unpatched too; the
+    fused blocks trace), the Triton paths (the RMSNorms without weight in fp32, the
+    prologue with the heads as the op's batch). Mochi serves sparse attention (below)."""
 
+    test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    life = LIFE
+    triton_ops = ("adaln_modulate", "qk_norm_rope", "rms_norm")
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = PER_FORWARD
+    fullgraph = False
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (interpreter, strict): the RMSNorms without
-    weight in fp32, the prologue with the heads as the op's batch."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [model.transformer_blocks[0].attn1.norm_q.weight]
 
-    ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
-    used = check_triton_paths(monkeypatch, tiny_mochi(), inputs(), run, ops, FAST_REL_TOL)
-    assert used == PER_FORWARD
+    def small(self) -> Life:
+        return LIFE
 
 
 # --- sparse attention ------------------------------------------------------------------------
