@@ -15,6 +15,9 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import ChromaTransformer2DModel
+from diffusers.models.transformers import transformer_chroma as tc
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 import ditops
@@ -25,16 +28,15 @@ from tests.integrations.family_life import (
     changed,
     first_output,
     refused_whole,
+    setting,
 )
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
 )
-from diffusers import ChromaTransformer2DModel  # noqa: E402
-from diffusers.models.transformers import transformer_chroma as tc  # noqa: E402
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor  # noqa: E402
 
 FAST_REL_TOL = 2e-2  # as FLUX's
 
@@ -52,7 +54,6 @@ TINY = dict(
     approximator_layers=2,
 )
 TEXT, SIDE = 5, 4
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_chroma(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -84,48 +85,6 @@ run = first_output
 
 
 cpu_paths = cpu_paths_of(*FLUX_OPS)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "batch", "mask"),
-    [("fp32", 1, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, True)],
-)
-def test_exact_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, mask: bool, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_chroma(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch, mask)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["ChromaTransformer2DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    assert torch.equal(run(model, **x), ref)
-    # 2 double blocks (2 modulated norms, 2 residual+norm, 2 residuals, 2 prologues: text
-    # and image), 2 single blocks (1 each), the output norm
-    assert cpu_paths == {
-        "adaln_modulate": 2 * 2 + 2 + 1,
-        "adaln_residual_modulate": 2 * 2,
-        "adaln_residual": 2 * 2 + 2,
-        "qk_norm_rope": 2 * 2 + 2,
-    }
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_within_tolerance(dtype: str) -> None:
-    model = tiny_chroma(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2, mask=True)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_hooks_on_bypassed_norms_run_diffusers_forward_bitwise() -> None:
@@ -178,15 +137,9 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
 LIFE = Life(
     make=tiny_chroma,
     inputs=lambda: inputs(batch=2, mask=True),
-    run=first_output,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn,
     processor=FluxAttnProcessor,
+    cases=inputs,
 )
-
-
-def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.transformer_blocks[1].attn.norm_k, "eps", 1e-5)
 
 
 @pytest.mark.parametrize(
@@ -200,7 +153,10 @@ def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
             changed(tc.ChromaAdaLayerNormZeroPruned, "forward"),
             r"ChromaAdaLayerNormZeroPruned.forward of diffusers .* differs",
         ),
-        (_qk_eps, r"transformer_blocks\[1\].attn.norm_q and norm_k have different eps"),
+        (
+            setting("transformer_blocks.1.attn.norm_k", "eps", 1e-5),
+            r"transformer_blocks\[1\].attn.norm_q and norm_k have different eps",
+        ),
     ],
     ids=["block", "norm", "qk_eps"],
 )
@@ -216,14 +172,21 @@ class TestContract(FamilyContract, OffloadContract):
     mask), offload in both orders."""
 
     life = LIFE
+    exact_cases = [
+        (d, {"batch": b, "mask": m})
+        for d, b, m in (
+            ("fp32", 1, False),
+            ("bf16", 1, False),
+            ("bf16", 2, True),
+            ("fp16", 2, True),
+        )
+    ]
+    fused = FLUX_FUSED
+    cpu_calls = FLUX_PER_FORWARD
+    fast_case = {"batch": 2, "mask": True}
     triton_ops = FLUX_OPS
     triton_tolerance = FAST_REL_TOL
-    triton_calls = {
-        "adaln_modulate": 4,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 3,
-        "qk_norm_rope": 3,
-    }
+    triton_calls = FLUX_ONE_OF_EACH
 
     def weights(self, model: nn.Module) -> list[torch.Tensor]:
         return [block.attn.norm_q.weight for block in model.transformer_blocks]

@@ -18,12 +18,18 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import CogVideoXTransformer3DModel
+from diffusers.models import attention_processor as ap
+from diffusers.models import embeddings, normalization
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
+from diffusers.models.transformers import cogvideox_transformer_3d
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
 from tests.integrations.family_life import (
+    DTYPES,
     FamilyContract,
     Life,
     OffloadContract,
@@ -34,15 +40,6 @@ from tests.integrations.family_life import (
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import CogVideoXTransformer3DModel  # noqa: E402
-from diffusers.models import attention_processor as ap  # noqa: E402
-from diffusers.models import embeddings, normalization  # noqa: E402
-from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
-from diffusers.models.transformers import cogvideox_transformer_3d  # noqa: E402
 
 FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through the blocks
 
@@ -67,7 +64,6 @@ LAYOUTS = {
     "v10_2b": {"use_rotary_positional_embeddings": False},
     "v15": {"patch_size_t": 2, "ofs_embed_dim": 24},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL = "CogVideoXTransformer3DModel"
 OPS = (
     "adaln_modulate",
@@ -263,8 +259,7 @@ LIFE = Life(
     make=tiny_cogvideox,
     inputs=lambda: inputs(tiny_cogvideox(), batch=2),
     run=run,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn1,
+    attn="attn1",
     processor=ap.CogVideoXAttnProcessor2_0,
 )
 
@@ -348,6 +343,9 @@ class TestContract(FamilyContract, OffloadContract):
     CogVideoX serves sparse attention (test_diffusers_cogvideox_sparse.py)."""
 
     test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    # its parity tests are its own (three layouts; the ops each dtype takes differ)
+    test_exact_patch_is_bitwise_equal_and_unpatch_restores = None
+    test_fast_patch_within_tolerance = None
     life = LIFE
     triton_ops = (
         "layer_norm_scale_shift",

@@ -18,16 +18,6 @@ SPARSE_VIDEO = {"v10": dict(frames=8, hw=16), "v15": dict(frames=16, hw=16)}
 VIDEO = 512
 
 
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
-
-
 @pytest.mark.parametrize(("layout", "norms"), [("v10", True), ("v15", True), ("v15", False)])
 def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
     layout: str, norms: bool, estimates: list

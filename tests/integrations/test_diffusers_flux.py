@@ -15,19 +15,27 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.models import embeddings
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 import ditops
-from tests.integrations.family_life import FamilyContract, Life, changed, refused_whole
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    batches,
+    changed,
+    refused_whole,
+    setting,
 )
-from diffusers import FluxTransformer2DModel  # noqa: E402
-from diffusers.models import embeddings  # noqa: E402
-from diffusers.models.transformers.transformer_flux import FluxAttnProcessor  # noqa: E402
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
+)
 
 # fast precision: the patched model's output against the unpatched one, relative to the
 # output's scale (bf16/fp16 activations through 4 blocks: a few ulps of the dtype).
@@ -76,49 +84,6 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
 
 
 cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
-
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_flux(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["FluxTransformer2DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    out = run(model, **x)
-    assert torch.equal(out, ref)
-    # every fused CPU path ran: 2 double blocks (2 modulated norms, 2 residual+norm, 2
-    # residuals, 2 prologues: text and image), 2 single blocks, the output norm
-    assert cpu_paths == {
-        "adaln_modulate": 2 * 2 + 2 + 1,
-        "adaln_residual_modulate": 2 * 2,
-        "adaln_residual": 2 * 2 + 2,
-        "qk_norm_rope": 2 * 2 + 2,
-    }
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_flux(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_guidance_and_tables_given_in_another_dtype() -> None:
@@ -178,20 +143,18 @@ LIFE = Life(
     make=tiny_flux,
     inputs=lambda: inputs(batch=2),
     run=run,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn,
     processor=FluxAttnProcessor,
+    cases=inputs,
 )
-
-
-def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.single_transformer_blocks[0].attn.norm_k, "eps", 1e-5)
 
 
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
-        (_qk_eps, r"single_transformer_blocks\[0\].attn.norm_q and norm_k have different eps"),
+        (
+            setting("single_transformer_blocks.0.attn.norm_k", "eps", 1e-5),
+            r"single_transformer_blocks\[0\].attn.norm_q and norm_k have different eps",
+        ),
         # another diffusers: its apply_rotary_emb differs (its source: the fingerprint)
         (changed(embeddings, "apply_rotary_emb"), r"apply_rotary_emb of diffusers .* differs"),
     ],
@@ -254,14 +217,13 @@ class TestContract(FamilyContract):
     or not: its second call gets a slice of the first's output, another stride.)"""
 
     life = LIFE
+    exact_cases = batches(("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FLUX_FUSED
+    cpu_calls = FLUX_PER_FORWARD
+    fast_case = {"batch": 2}
     triton_ops = FLUX_OPS
     triton_tolerance = FAST_REL_TOL
-    triton_calls = {
-        "adaln_modulate": 4,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 3,
-        "qk_norm_rope": 3,
-    }
+    triton_calls = FLUX_ONE_OF_EACH
 
     def weights(self, model: nn.Module) -> list[torch.Tensor]:
         blocks = model.transformer_blocks

@@ -15,26 +15,29 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers.models import embeddings
+from diffusers.models.transformers import transformer_flux2 as tf2
 from torch import nn
 
 import ditops
 from tests.integrations.family_life import (
     FamilyContract,
     Life,
+    batches,
     cached_steps,
     changed,
     first_output,
     refused_whole,
+    setting,
 )
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
 )
-from diffusers import Flux2Transformer2DModel  # noqa: E402
-from diffusers.models import embeddings  # noqa: E402
-from diffusers.models.transformers import transformer_flux2 as tf2  # noqa: E402
 
 #: fast precision: output against the unpatched model, relative to its scale.
 FAST_REL_TOL = 2e-2
@@ -55,7 +58,6 @@ TINY = dict(
 )
 TEXT = 7  # odd: the tables split at an odd row
 SIDE = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_flux2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> Flux2Transformer2DModel:
@@ -88,47 +90,7 @@ run = first_output
 
 cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
 
-#: One forward: 2 double blocks (2 modulated norms, 2 residual + norm, 2 residuals, the
-#: text and the image prologue each), 2 single blocks (1 of each), the output norm.
-PER_FORWARD = {
-    "adaln_modulate": 2 * 2 + 2 + 1,
-    "adaln_residual_modulate": 2 * 2,
-    "adaln_residual": 2 * 2 + 2,
-    "qk_norm_rope": 2 * 2 + 2,
-}
-FUSED = {"fused blocks": 4, "fused attention prologues": 4, "fused output norm": 1}
-
-
-@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_flux2(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME] == FUSED
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == PER_FORWARD
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}  # per forward
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor) is tf2.Flux2AttnProcessor
-    single = model.single_transformer_blocks[0].attn.processor
-    assert type(single) is tf2.Flux2ParallelSelfAttnProcessor
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_flux2(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+PER_FORWARD, FUSED = FLUX_PER_FORWARD, FLUX_FUSED  # 2 double, 2 single blocks, as FLUX
 
 
 def test_fused_projections_and_guidance(cpu_paths: dict[str, int]) -> None:
@@ -242,15 +204,9 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(cpu_paths: dict[str, i
 LIFE = Life(
     make=tiny_flux2,
     inputs=lambda: inputs(batch=2),
-    run=first_output,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn,
     processor=tf2.Flux2AttnProcessor,
+    cases=inputs,
 )
-
-
-def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.transformer_blocks[1].attn.norm_added_k, "eps", 1e-3)
 
 
 @pytest.mark.parametrize(
@@ -270,7 +226,7 @@ def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
         ),
         (changed(embeddings, "apply_rotary_emb"), r"apply_rotary_emb of diffusers .* differs"),
         (
-            _qk_eps,
+            setting("transformer_blocks.1.attn.norm_added_k", "eps", 1e-3),
             r"transformer_blocks\[1\].attn.norm_added_q and norm_added_k have different eps",
         ),
     ],
@@ -343,14 +299,13 @@ class TestContract(FamilyContract):
     of each kind)."""
 
     life = LIFE
+    exact_cases = batches(("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FUSED
+    cpu_calls = PER_FORWARD
+    fast_case = {"batch": 2}
     triton_ops = FLUX_OPS
     triton_tolerance = FAST_REL_TOL
-    triton_calls = {
-        "adaln_modulate": 4,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 3,
-        "qk_norm_rope": 3,
-    }
+    triton_calls = FLUX_ONE_OF_EACH
 
     def weights(self, model: nn.Module) -> list[torch.Tensor]:
         return [block.attn.norm_q.weight for block in model.single_transformer_blocks]

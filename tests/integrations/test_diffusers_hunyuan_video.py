@@ -13,22 +13,26 @@ from __future__ import annotations
 import functools
 from dataclasses import replace
 
+import diffusers
 import pytest
 import torch
+from diffusers import HunyuanVideoTransformer3DModel
+from diffusers.models.transformers import transformer_hunyuan_video as hv
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.family_life import FamilyContract, Life, changed, refused_whole
-from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.family_life import (
+    DTYPES,
+    FamilyContract,
+    HookContract,
+    Life,
+    batches,
+    changed,
+    refused_whole,
 )
-from diffusers import HunyuanVideoTransformer3DModel  # noqa: E402
-from diffusers.models.transformers import transformer_hunyuan_video as hv  # noqa: E402
+from tests.integrations.spies import FLUX_FUSED, HUNYUAN_OPS, cpu_paths_of
 
 FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through 4 blocks
 
@@ -49,7 +53,6 @@ TINY = dict(
     guidance_embeds=True,
 )
 TEXT = 7
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_hunyuan(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -106,42 +109,6 @@ FUSED_CALLS = {
 }
 
 
-@pytest.mark.parametrize(
-    ("dtype", "batch"), [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2)]
-)
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_hunyuan(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["HunyuanVideoTransformer3DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == FUSED_CALLS
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.single_transformer_blocks[0].attn.processor).__name__ == (
-        "HunyuanVideoAttnProcessor2_0"
-    )
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_hunyuan(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-
-
 def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
     for overrides, channels in (
         ({"guidance_embeds": False}, 4),
@@ -177,22 +144,6 @@ def test_i2v_token_replace_blocks_fused_bitwise(dtype: str, cpu_paths: dict[str,
         "qk_norm_rope": 4,
         "rms_norm": 8,
     }
-
-
-def test_a_block_with_hooks_on_a_bypassed_norm_runs_its_own_forward() -> None:
-    model = tiny_hunyuan()
-    x = inputs()
-    seen: list[int] = []
-    model.transformer_blocks[1].norm2.register_forward_hook(lambda *_: seen.append(1))
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["HunyuanVideoTransformer3DModel"]["fused blocks"] == 3
-    assert report.models["HunyuanVideoTransformer3DModel"]["unfused blocks"] == 1
-    why = report.unfused["HunyuanVideoTransformer3DModel"]["transformer_blocks.1"]
-    assert "norm2 has a torch forward hook" in why
-    seen.clear()
-    assert torch.equal(run(model, **x), ref)
-    assert seen == [1]  # the hook still runs
 
 
 def test_a_hook_added_after_the_patch_is_seen_on_the_next_call() -> None:
@@ -320,9 +271,8 @@ LIFE = Life(
     make=tiny_hunyuan,
     inputs=lambda: inputs(batch=2),
     run=run,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn,
     processor=hv.HunyuanVideoAttnProcessor2_0,
+    cases=inputs,
 )
 
 
@@ -336,7 +286,7 @@ def test_another_diffusers_version_is_refused_by_fingerprint(
     refused_whole(LIFE, change, fragment, monkeypatch)
 
 
-class TestContract(FamilyContract):
+class TestContract(FamilyContract, HookContract):
     """A patched model's life (tests/integrations/family_life.py): deep copies, pickling,
     patching again, compile first (fullgraph, aot_eager) and the Triton paths (fast, the
     GPU code path, diffusers' RMSNorm convention included) with one block of each kind.
@@ -344,6 +294,11 @@ class TestContract(FamilyContract):
 
     test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
     life = LIFE
+    hooked = ("transformer_blocks.1.norm2", 3)
+    exact_cases = batches(("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FLUX_FUSED
+    cpu_calls = FUSED_CALLS
+    fast_case = {"batch": 2}
     triton_ops = HUNYUAN_OPS
     triton_tolerance = FAST_REL_TOL
     triton_calls = {

@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers import HunyuanVideo15Transformer3DModel
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.family_life import DTYPES
 from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import HunyuanVideo15Transformer3DModel  # noqa: E402
 
 TINY = dict(
     in_channels=4,
@@ -34,7 +31,6 @@ TINY = dict(
     image_embed_dim=8,
     rope_axes_dim=(4, 6, 6),
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:

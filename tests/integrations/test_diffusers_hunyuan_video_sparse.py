@@ -15,22 +15,11 @@ from ditops.integrations import PatchError
 from tests.integrations.test_diffusers_hunyuan_video import inputs, run, tiny_hunyuan
 from tests.precision import max_rel_err
 
-
 SPARSE_VIDEO = dict(frames=8, hw=16)  # 8 frames of 8 x 8 tokens: 512 video tokens
 
 
 def _densities(calls: list) -> list[float]:
     return [float(counts.float().mean() / mask.shape[-1]) for mask, counts in calls]
-
-
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
 
 
 @pytest.mark.parametrize(("batch", "norms"), [(1, True), (2, True), (1, False)])

@@ -17,18 +17,15 @@ import pickle
 
 import pytest
 import torch
+from diffusers import LTXVideoTransformer3DModel
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.family_life import DTYPES
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import LTXVideoTransformer3DModel  # noqa: E402
 
 # fast precision: the patched model against the unpatched one, relative to the output's
 # scale (bf16/fp16 activations through 2 blocks: a few ulps of the dtype).
@@ -44,7 +41,6 @@ TINY = dict(
     caption_channels=12,
 )
 TEXT = 7
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LTX_OPS = ("rms_norm", "adaln_residual", "qk_norm_rope")
 
 

@@ -13,10 +13,13 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
 
+import diffusers
 import pytest
 import torch
+from diffusers import MochiTransformer3DModel
+from diffusers.models import attention_processor as ap
+from diffusers.models.transformers import transformer_mochi as tm
 from torch import nn
 
 import ditops
@@ -28,16 +31,10 @@ from tests.integrations.family_life import (
     changed,
     first_output,
     refused_whole,
+    setting,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import MochiTransformer3DModel  # noqa: E402
-from diffusers.models import attention_processor as ap  # noqa: E402
-from diffusers.models.transformers import transformer_mochi as tm  # noqa: E402
 
 FAST_REL_TOL = 2e-2
 NAME = "MochiTransformer3DModel"
@@ -53,7 +50,6 @@ TINY = dict(
     max_sequence_length=16,
 )
 TEXT = 9
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_mochi(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -88,38 +84,6 @@ cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
 #: video prologue; the output norm.
 PER_FORWARD = {"rms_norm": 8 + 5 + 2 * 2, "qk_norm_rope": 2, "adaln_modulate": 1}
 FUSED = {"fused blocks": 2, "fused attention prologues": 2, "fused output norm": 1}
-
-
-@pytest.mark.parametrize(
-    ("dtype", "batch", "empty"),
-    [("fp32", 2, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, False)],
-)
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, empty: bool, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_mochi(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch, empty)
-    ref = run(model, **x)
-    assert ditops.patch(model, precision="exact").models[NAME] == FUSED
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == PER_FORWARD
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[1].attn1.processor) is ap.MochiAttnProcessor2_0
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_mochi(DTYPES[dtype])
-    x = inputs(DTYPES[dtype])
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_tables_in_another_dtype() -> None:
@@ -193,10 +157,9 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
 LIFE = Life(
     make=tiny_mochi,
     inputs=inputs,
-    run=first_output,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn1,
+    attn="attn1",
     processor=ap.MochiAttnProcessor2_0,
+    cases=inputs,
 )
 
 
@@ -206,10 +169,6 @@ class MyProcessor(ap.MochiAttnProcessor2_0):
 
 def _own_processor(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     monkeypatch.setattr(model.transformer_blocks[0].attn1, "processor", MyProcessor())
-
-
-def _qk_eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.transformer_blocks[1].attn1.norm_k, "eps", 1e-3)
 
 
 SPARSE = {"attention": BlockSparseConfig(sparsity=0.5)}
@@ -243,7 +202,11 @@ SPARSE = {"attention": BlockSparseConfig(sparsity=0.5)}
             SPARSE,
             r"transformer_blocks\[0\].attn1.processor is a MyProcessor, not MochiAttnProcessor2_0",
         ),
-        (_qk_eps, {}, r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps"),
+        (
+            setting("transformer_blocks.1.attn1.norm_k", "eps", 1e-3),
+            {},
+            r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps",
+        ),
     ],
     ids=[
         "block",
@@ -296,6 +259,17 @@ class TestContract(FamilyContract):
 
     test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
     life = LIFE
+    exact_cases = [
+        (d, {"batch": b, "empty": e})
+        for d, b, e in (
+            ("fp32", 2, False),
+            ("bf16", 1, False),
+            ("bf16", 2, True),
+            ("fp16", 2, False),
+        )
+    ]
+    fused = FUSED
+    cpu_calls = PER_FORWARD
     triton_ops = ("adaln_modulate", "qk_norm_rope", "rms_norm")
     triton_tolerance = FAST_REL_TOL
     triton_calls = PER_FORWARD
@@ -321,16 +295,6 @@ def sparse_inputs(dtype: torch.dtype = torch.bfloat16) -> dict:
     x = inputs(dtype)
     x["hidden_states"] = torch.randn(2, 4, 8, 16, 16, generator=g).to(dtype)
     return x
-
-
-@pytest.fixture
-def estimates() -> Iterator[list]:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
 
 
 @pytest.mark.parametrize("norms", [True, False], ids=["fused", "norms_false"])
