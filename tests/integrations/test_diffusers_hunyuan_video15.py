@@ -144,31 +144,18 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise() -> None:
 
 
 def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
-    monkeypatch: pytest.MonkeyPatch,
+    every_block_kept: list,
 ) -> None:
     """fp32, the estimate replaced by one keeping every block: the padded text left out
     of the video rows' keys, the text rows with their rows of the [N, N] mask, give the
     unpatched model's attention within fp32 attention's tolerance."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    lengths = []
-
-    def keep_all(self, q, k, *, layout, scale, **_):
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        lengths.append(lk - lq)
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
     model = tiny_model(torch.float32)
     x = inputs(torch.float32, batch=2, i2v=True, **SPARSE_VIDEO)
     ref = run(model, **x)
     ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
     out = run(model, "pred_cond", **x)
     # kept text keys: 2 image + 2 ByT5 + 4 MLLM tokens (sample 0), + 2 MLLM (sample 1)
-    assert lengths == [8, 6] * 2
+    assert [kept.lk - kept.lq for kept in every_block_kept] == [8, 6] * 2
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
 
 

@@ -54,32 +54,19 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
 
 
 def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
-    monkeypatch: pytest.MonkeyPatch,
+    every_block_kept: list,
 ) -> None:
     """fp32, the estimate replaced by one keeping every block: the split by queries, the
     text keys first and the padded ones left out give the unpatched model's attention
     (within fp32 attention's tolerance); padded text that changes changes nothing."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    shapes = []
-
-    def keep_all(self, q, k, *, layout, scale, **_):
-        assert layout == "BSND"
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        shapes.append((lq, lk))
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
     model = tiny_hunyuan(torch.float32)
     x = inputs(torch.float32, batch=2, **SPARSE_VIDEO)
     ref = run(model, **x)
     ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
     out = run(model, "cond", **x)
     # per block, sample 0 then 1: 512 video queries over 4 and 2 valid text keys + video
-    assert shapes == [(512, 516), (512, 514)] * 4
+    assert [(kept.lq, kept.lk) for kept in every_block_kept] == [(512, 516), (512, 514)] * 4
+    assert {kept.layout for kept in every_block_kept} == {"BSND"}
     assert max_rel_err(out, ref) < 1e-5
     padded = x["encoder_attention_mask"] == 0
     noisy = x["encoder_hidden_states"].masked_fill(padded[..., None], 7.0)
