@@ -68,7 +68,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _relied_on() -> Relied:
@@ -78,15 +78,11 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_chroma as tc
 
     return {
-        "ChromaAdaLayerNormZeroPruned.forward": (
-            tc.ChromaAdaLayerNormZeroPruned.forward, known("ChromaAdaLayerNormZeroPruned.forward")
+        **relied(
+            tc, "ChromaAdaLayerNormZeroPruned.forward", "ChromaAdaLayerNormZeroSinglePruned.forward"
         ),
-        "ChromaAdaLayerNormZeroSinglePruned.forward": (
-            tc.ChromaAdaLayerNormZeroSinglePruned.forward,
-            known("ChromaAdaLayerNormZeroSinglePruned.forward"),
-        ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+        **relied(embeddings, "apply_rotary_emb"),
+    }
 
 
 def _pruned_problem(module: nn.Module, name: str, cls_name: str) -> str | None:

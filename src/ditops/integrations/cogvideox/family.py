@@ -82,7 +82,7 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _relied_on() -> Relied:
@@ -92,17 +92,9 @@ def _relied_on() -> Relied:
     from diffusers.models import embeddings, normalization
 
     return {
-        "CogVideoXLayerNormZero.forward": (
-            normalization.CogVideoXLayerNormZero.forward, known("CogVideoXLayerNormZero.forward")
-        ),
-        "AdaLayerNorm.forward": (
-            normalization.AdaLayerNorm.forward, known("AdaLayerNorm.forward")
-        ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-        "CogVideoXPatchEmbed.forward": (
-            embeddings.CogVideoXPatchEmbed.forward, known("CogVideoXPatchEmbed.forward")
-        ),
-    }  # fmt: skip
+        **relied(normalization, "CogVideoXLayerNormZero.forward", "AdaLayerNorm.forward"),
+        **relied(embeddings, "apply_rotary_emb", "CogVideoXPatchEmbed.forward"),
+    }
 
 
 def _layer_norm_problem(norm: object, name: str) -> str | None:

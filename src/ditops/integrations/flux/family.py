@@ -72,7 +72,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _relied_on() -> Relied:
@@ -80,10 +80,7 @@ def _relied_on() -> Relied:
     patch reproduces, with the fingerprints of the versions checked."""
     from diffusers.models import embeddings
 
-    return {
-        **relied_on_norms(),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+    return {**relied_on_norms(), **relied(embeddings, "apply_rotary_emb")}
 
 
 def qk_norm_problems(attn: nn.Module, where: str) -> list[str]:

@@ -75,7 +75,7 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.guard import forward_wrapper_problem
 
 #: ``HunyuanVideoTransformerBlock.forward`` (HunyuanVideo-1.5's block is the same code).
@@ -90,9 +90,9 @@ def relied_on() -> Relied:
 
     return {
         **relied_on_norms(),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+        **relied(normalization, "RMSNorm.forward"),
+        **relied(embeddings, "apply_rotary_emb"),
+    }
 
 
 def _wrapped(block: nn.Module, where: str) -> list[str]:

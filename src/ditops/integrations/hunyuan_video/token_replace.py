@@ -23,7 +23,7 @@ from torch import nn
 
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
 from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import relied
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
@@ -127,16 +127,11 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     checked against (the blocks' own forwards are the family's block kinds)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
-    return {
-        "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward,
-            known("HunyuanVideoTokenReplaceAdaLayerNormZero.forward"),
-        ),
-        "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward,
-            known("HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward"),
-        ),
-    }  # fmt: skip
+    return relied(
+        hv,
+        "HunyuanVideoTokenReplaceAdaLayerNormZero.forward",
+        "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward",
+    )
 
 
 def norm_problems(block: nn.Module, where: str, double: bool) -> list[str]:

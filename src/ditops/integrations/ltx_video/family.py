@@ -65,7 +65,7 @@ from ditops.integrations.ltx_video.forwards import (
     block_forward,
 )
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.video_sparse import grid_recorder
 
 
@@ -76,12 +76,10 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_ltx as tl
 
     return {
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "transformer_ltx.apply_rotary_emb": (
-            tl.apply_rotary_emb, known("transformer_ltx.apply_rotary_emb")
-        ),
-        "LTXAttention.forward": (tl.LTXAttention.forward, known("LTXAttention.forward")),
-    }  # fmt: skip
+        **relied(normalization, "RMSNorm.forward"),
+        **relied(tl, "apply_rotary_emb", label="transformer_ltx.{}"),
+        **relied(tl, "LTXAttention.forward"),
+    }
 
 
 def norm_problems(block: nn.Module, names: tuple[str, ...]) -> list[str]:

@@ -75,7 +75,7 @@ from ditops.integrations.shared.family import (
     Relied,
     Sparse,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _relied_on() -> Relied:
@@ -85,18 +85,14 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_mochi as tm
 
     return {
-        "MochiRMSNormZero.forward": (
-            tm.MochiRMSNormZero.forward, known("MochiRMSNormZero.forward")
+        **relied(
+            tm,
+            "MochiRMSNormZero.forward",
+            "MochiModulatedRMSNorm.forward",
+            "MochiLayerNormContinuous.forward",
         ),
-        "MochiModulatedRMSNorm.forward": (
-            tm.MochiModulatedRMSNorm.forward, known("MochiModulatedRMSNorm.forward")
-        ),
-        "MochiLayerNormContinuous.forward": (
-            tm.MochiLayerNormContinuous.forward, known("MochiLayerNormContinuous.forward")
-        ),
-        "RMSNorm.forward": (n.RMSNorm.forward, known("RMSNorm.forward")),
-        "MochiRMSNorm.forward": (n.MochiRMSNorm.forward, known("MochiRMSNorm.forward")),
-    }  # fmt: skip
+        **relied(n, "RMSNorm.forward", "MochiRMSNorm.forward"),
+    }
 
 
 def _plain_rms(norm: object) -> bool:

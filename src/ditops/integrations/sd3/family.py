@@ -78,7 +78,7 @@ from ditops.integrations.shared.family import (
     Fused,
     Relied,
 )
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 
 NORM_OUT_BYPASSES = ("norm",)
 
@@ -90,14 +90,9 @@ def _relied_on() -> Relied:
 
     return {
         **relied_on_norms(),
-        "SD35AdaLayerNormZeroX.forward": (
-            normalization.SD35AdaLayerNormZeroX.forward, known("SD35AdaLayerNormZeroX.forward")
-        ),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "_chunked_feed_forward": (
-            attention._chunked_feed_forward, known("_chunked_feed_forward")
-        ),
-    }  # fmt: skip
+        **relied(normalization, "SD35AdaLayerNormZeroX.forward", "RMSNorm.forward"),
+        **relied(attention, "_chunked_feed_forward"),
+    }
 
 
 def _norm_problem(block: nn.Module, name: str, cls_name: str) -> str | None:

@@ -20,7 +20,7 @@ from torch import nn
 
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import Blocks, Fused
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.ops import QKOps
 from ditops.ops.modulation_model_dtype import (
     AdaLNModulateOp,
@@ -38,17 +38,12 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     ``relied_on``)."""
     from diffusers.models import normalization
 
-    return {
-        "AdaLayerNormZero.forward": (
-            normalization.AdaLayerNormZero.forward, known("AdaLayerNormZero.forward")
-        ),
-        "AdaLayerNormZeroSingle.forward": (
-            normalization.AdaLayerNormZeroSingle.forward, known("AdaLayerNormZeroSingle.forward")
-        ),
-        "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, known("AdaLayerNormContinuous.forward")
-        ),
-    }  # fmt: skip
+    return relied(
+        normalization,
+        "AdaLayerNormZero.forward",
+        "AdaLayerNormZeroSingle.forward",
+        "AdaLayerNormContinuous.forward",
+    )
 
 
 @dataclass(eq=False)

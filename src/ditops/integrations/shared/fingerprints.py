@@ -205,6 +205,18 @@ def known(label: str) -> Mapping[str, Seen]:
     return KNOWN[label]
 
 
+def relied(module: Any, *names: str, label: str = "{}") -> Relied:
+    """What a family relies on in ``module``: each dotted ``name`` there (``"RMSNorm.forward"``)
+    with the fingerprints the table holds for it, under ``label.format(name)``."""
+    out: Relied = {}
+    for name in names:
+        fn = module
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        out[label.format(name)] = (fn, known(label.format(name)))
+    return out
+
+
 def match(fn: Callable[..., Any], table: Mapping[str, Seen]) -> Seen | None:
     """The accepted entry of ``table`` ``fn`` has (its arithmetic is one ditops runs), or
     None."""
