@@ -61,13 +61,7 @@ from ditops.integrations.flux.family import qk_norm_problems
 from ditops.integrations.flux.forwards import FusedFluxAttnProcessor
 from ditops.integrations.shared.adaln_zero import AdaLNOps
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-)
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied
 from ditops.integrations.shared.fingerprints import known, relied
 
 

@@ -74,14 +74,7 @@ from ditops.integrations.cogvideox.forwards import (
     block_forward,
     norm_out_forward,
 )
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
 from ditops.integrations.shared.fingerprints import known, relied
 
 

@@ -65,13 +65,7 @@ from ditops.integrations.shared.adaln_zero import (
     zero_norm_problem,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-)
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied
 from ditops.integrations.shared.fingerprints import known, relied
 
 

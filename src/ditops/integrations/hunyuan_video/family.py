@@ -67,14 +67,7 @@ from ditops.integrations.shared.adaln_zero import (
     zero_norm_problem,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
 from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.guard import forward_wrapper_problem
 

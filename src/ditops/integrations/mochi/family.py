@@ -63,18 +63,8 @@ from ditops.integrations.mochi.forwards import (
     FusedMochiAttnProcessor,
     block_forward,
 )
-from ditops.integrations.shared.adaln_zero import (
-    AdaLNOps,
-    norm_out_blocks,
-)
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
+from ditops.integrations.shared.adaln_zero import AdaLNOps, norm_out_blocks
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
 from ditops.integrations.shared.fingerprints import known, relied
 
 
