@@ -54,13 +54,15 @@ class VariantKind:
     """What a family of benches compares: ``variants(block_size)`` (``(name, patch
     options)``; ``{}``: unpatched, else ``patch(model, precision="exact", **options)``), the
     ``probe(device, modules)`` each timed call carries, ``summarise(variants, outputs,
-    times, probes)`` into rows, ``print_rows(rows, out)``, the ``dtype(device)`` when none
-    is asked for, and whether the result records the sparse ``block_size``."""
+    times, probes)`` into rows, the table's ``columns`` and ``note`` (:func:`print_table`),
+    the ``dtype(device)`` when none is asked for, and whether the result records the
+    sparse ``block_size``."""
 
     variants: Callable[[int], Variants]
     probe: Callable[[torch.device, list[Any]], Any]
     summarise: Callable[..., list[dict[str, Any]]]
-    print_rows: Callable[[list[dict[str, Any]], Any], None]
+    columns: tuple[tuple[str, str, str], ...]
+    note: str
     dtype: Callable[[torch.device], torch.dtype]
     block_size: bool
 
@@ -85,21 +87,26 @@ def _precision_summary(
     return rows
 
 
-def _precision_rows(summary: list[dict[str, Any]], out: Any) -> None:
-    print(
-        f"{'variant':<10} {'s/forward':>10} {'attention s':>12} {'x unpatched':>12} "
-        f"{'bitwise':>8} {'max abs':>9} {'max rel':>9}",
-        file=out,
-    )
-    for s in summary:
-        print(
-            f"{s['variant']:<10} {s['median_seconds']:>10.3f} "
-            f"{s['median_attention_seconds']:>12.3f} "
-            f"{s['speedup']:>12.3f} {str(s['bitwise_equal']):>8} {s['max_abs']:>9.2e} "
-            f"{s['max_rel']:>9.2e}",
-            file=out,
-        )
-    print("(medians over rounds; x unpatched: median of the per-round ratios)", file=out)
+def _width(spec: str) -> str:
+    return spec[1:].split(".")[0]
+
+
+def print_table(
+    rows: list[dict[str, Any]], columns: tuple[tuple[str, str, str], ...], note: str, out: Any
+) -> None:
+    """``rows`` as a table, then ``note``: ``columns`` are ``(title, key, spec)``, ``spec``
+    a format spec with its alignment and width (``"<12"``, ``">9.3f"``); a None value
+    prints as ``-``, a bool as its word."""
+
+    def cell(value: Any, spec: str) -> str:
+        if value is None:
+            return "-".rjust(int(_width(spec)))
+        return format(str(value) if isinstance(value, bool) else value, spec)
+
+    print(" ".join(format(title, spec[0] + _width(spec)) for title, _, spec in columns), file=out)
+    for row in rows:
+        print(" ".join(cell(row[key], spec) for _, key, spec in columns), file=out)
+    print(note, file=out)
 
 
 #: Unpatched, ``precision="exact"`` and ``precision="fast"``: the time inside the
@@ -112,7 +119,16 @@ PRECISIONS = VariantKind(
     ],
     probe=lambda device, modules: ModuleTimer(modules, device),
     summarise=_precision_summary,
-    print_rows=_precision_rows,
+    columns=(
+        ("variant", "variant", "<10"),
+        ("s/forward", "median_seconds", ">10.3f"),
+        ("attention s", "median_attention_seconds", ">12.3f"),
+        ("x unpatched", "speedup", ">12.3f"),
+        ("bitwise", "bitwise_equal", ">8"),
+        ("max abs", "max_abs", ">9.2e"),
+        ("max rel", "max_rel", ">9.2e"),
+    ),
+    note="(medians over rounds; x unpatched: median of the per-round ratios)",
     dtype=lambda _device: torch.bfloat16,
     block_size=False,
 )
@@ -216,7 +232,7 @@ class ModelBench:
         """The headline (``headline`` over ``result``) and the kind's table."""
         out = sys.stdout if out is None else out
         print("\n== " + self.headline.format(**result), file=out)
-        self.kind.print_rows(result["summary"], out)
+        print_table(result["summary"], self.kind.columns, self.kind.note, out)
 
     def announce(self, device: torch.device, size: str) -> None:
         """The stderr line of ``ditops bench`` saying what runs."""

@@ -96,41 +96,28 @@ def summarise(
     return summary
 
 
-def _f(v: float | None, spec: str) -> str:
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
-
-
-def print_rows(summary: list[dict[str, Any]], out: Any) -> None:
-    """The table of :func:`summarise`'s rows, and what its columns are."""
-    print(
-        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
-        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
-        file=out,
-    )
-    for s in summary:
-        print(
-            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
-            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
-            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
-            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
-            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
-            file=out,
-        )
-    print(
-        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
-        "and of the attention modules to unpatched; asked/run: block density of the video "
-        "queries' maps, forced blocks included; drift against the unpatched output)",
-        file=out,
-    )
-
-
 #: Unpatched, exact, block-sparse at each of :data:`SPARSITIES` and the permuted mode at
 #: :data:`PERMUTED_SPARSITY`; bf16 (fp32 on a CPU whose bf16 matmuls are a slow fallback).
 SPARSE = VariantKind(
     variants=lambda block_size: sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY),
     probe=SparseAttentionProbe,
     summarise=summarise,
-    print_rows=print_rows,
+    columns=(
+        ("variant", "variant", "<12"),
+        ("s/forward", "median_seconds", ">9.3f"),
+        ("attn s", "median_attention_seconds", ">7.3f"),
+        ("x fwd", "speedup", ">6.2f"),
+        ("x attn", "attention_speedup", ">6.2f"),
+        ("asked", "requested_density", ">5.2f"),
+        ("run", "realised_density", ">5.3f"),
+        ("bitwise", "bitwise_equal", ">7"),
+        ("max rel", "max_rel", ">8.1e"),
+        ("cosine", "cosine", ">9.6f"),
+        ("PSNR dB", "psnr_db", ">7.1f"),
+    ),
+    note="(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
+    "and of the attention modules to unpatched; asked/run: block density of the video "
+    "queries' maps, forced blocks included; drift against the unpatched output)",
     dtype=default_dtype,
     block_size=True,
 )
