@@ -151,5 +151,9 @@ def test_relied_pairs_each_dotted_name_with_its_table_under_its_label() -> None:
     assert relied(transformer_ltx, "apply_rotary_emb", label="transformer_ltx.{}") == {
         label: (transformer_ltx.apply_rotary_emb, known(label))
     }
+    # a module's dotted path is imported when asked (a family's relied_on stays lazy)
+    assert relied("diffusers.models.normalization", "RMSNorm.forward") == {
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward"))
+    }
     with pytest.raises(KeyError):  # a name the table does not hold is a mistake of ours
         relied(normalization, "RMSNorm.__init__")

@@ -64,25 +64,8 @@ from ditops.integrations.mochi.forwards import (
     block_forward,
 )
 from ditops.integrations.shared.adaln_zero import AdaLNOps, norm_out_blocks
-from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Sparse
 from ditops.integrations.shared.fingerprints import known, relied
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the block and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import normalization as n
-    from diffusers.models.transformers import transformer_mochi as tm
-
-    return {
-        **relied(
-            tm,
-            "MochiRMSNormZero.forward",
-            "MochiModulatedRMSNorm.forward",
-            "MochiLayerNormContinuous.forward",
-        ),
-        **relied(n, "RMSNorm.forward", "MochiRMSNorm.forward"),
-    }
 
 
 def _plain_rms(norm: object) -> bool:
@@ -169,5 +152,13 @@ SPEC = FamilySpec(
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
     sparse=Sparse(_patch_size),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied(
+            "diffusers.models.transformers.transformer_mochi",
+            "MochiRMSNormZero.forward",
+            "MochiModulatedRMSNorm.forward",
+            "MochiLayerNormContinuous.forward",
+        ),
+        **relied("diffusers.models.normalization", "RMSNorm.forward", "MochiRMSNorm.forward"),
+    },
 )  # fmt: skip

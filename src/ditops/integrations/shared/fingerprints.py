@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
@@ -206,8 +207,11 @@ def known(label: str) -> Mapping[str, Seen]:
 
 
 def relied(module: Any, *names: str, label: str = "{}") -> Relied:
-    """What a family relies on in ``module``: each dotted ``name`` there (``"RMSNorm.forward"``)
-    with the fingerprints the table holds for it, under ``label.format(name)``."""
+    """What a family relies on in ``module`` (a module, or its dotted path, imported now):
+    each dotted ``name`` there (``"RMSNorm.forward"``) with the fingerprints the table holds
+    for it, under ``label.format(name)``."""
+    if isinstance(module, str):
+        module = importlib.import_module(module)
     out: Relied = {}
     for name in names:
         fn = module
