@@ -79,11 +79,20 @@ def _bench_quick(args: argparse.Namespace) -> int:
     """``--quick``: the tiny offline pipelines of :mod:`ditops.bench.quick` (under a minute)."""
     from ditops.bench import quick, tiny
 
-    other = [f for f, on in (("SUITE", args.suites), ("--model", args.model),
-                             ("--parallel", args.parallel)) if on]  # fmt: skip
+    other = [
+        f
+        for f, on in (
+            ("SUITE", args.suites),
+            ("--model", args.model),
+            ("--parallel", args.parallel),
+        )
+        if on
+    ]
     if other:  # never silently ignored
-        print(f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         tiny.require("diffusers", "transformers")
@@ -168,8 +177,11 @@ def _bench_suites(args: argparse.Namespace) -> int:
             from ditops.bench import cogvideox, hunyuan_video, ltx_video
 
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-            video = {"hunyuan_video": hunyuan_video, "ltx_video": ltx_video,
-                     "cogvideox": cogvideox}[name]  # fmt: skip
+            video = {
+                "hunyuan_video": hunyuan_video,
+                "ltx_video": ltx_video,
+                "cogvideox": cogvideox,
+            }[name]
             payload[name] = video.cli(device, args.size, not args.no_progress, dtype)
             continue
         suite = get_suite(name)
