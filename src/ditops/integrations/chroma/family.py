@@ -50,16 +50,14 @@ from __future__ import annotations
 from torch import nn
 
 from ditops.integrations.chroma.forwards import (
-    DOUBLE_BYPASSES,
     NORM_OUT_BYPASSES,
-    SINGLE_BYPASSES,
     double_block_forward,
     norm_out_forward,
     single_block_forward,
 )
 from ditops.integrations.flux.family import qk_norm_problems
 from ditops.integrations.flux.forwards import FusedFluxAttnProcessor
-from ditops.integrations.shared.adaln_zero import AdaLNOps
+from ditops.integrations.shared.adaln_zero import DOUBLE_BYPASSES, SINGLE_BYPASSES, AdaLNOps
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused
 from ditops.integrations.shared.fingerprints import known, relied

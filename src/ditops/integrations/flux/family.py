@@ -52,13 +52,13 @@ from __future__ import annotations
 from torch import nn
 
 from ditops.integrations.flux.forwards import (
-    DOUBLE_BYPASSES,
-    SINGLE_BYPASSES,
     FusedFluxAttnProcessor,
     double_block_forward,
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
+    DOUBLE_BYPASSES,
+    SINGLE_BYPASSES,
     AdaLNOps,
     norm_out_blocks,
     relied_on_norms,

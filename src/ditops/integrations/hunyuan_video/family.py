@@ -54,12 +54,12 @@ from ditops.integrations.hunyuan_video.attention import (
     attention_problems,
 )
 from ditops.integrations.hunyuan_video.forwards import (
-    DOUBLE_BYPASSES,
-    SINGLE_BYPASSES,
     double_block_forward,
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
+    DOUBLE_BYPASSES,
+    SINGLE_BYPASSES,
     AdaLNOps,
     norm_out_forward,
     norm_out_problems,

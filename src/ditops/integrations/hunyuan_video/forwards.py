@@ -13,17 +13,6 @@ from torch import nn
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
 from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 
-#: What each fused forward computes without calling it (see ``guard.Bypass``).
-DOUBLE_BYPASSES = (
-    "norm1",
-    "norm1.norm",
-    "norm1_context",
-    "norm1_context.norm",
-    "norm2",
-    "norm2_context",
-)
-SINGLE_BYPASSES = ("norm", "norm.norm")
-
 
 def double_block_forward(
     block: nn.Module,
