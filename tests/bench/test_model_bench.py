@@ -7,11 +7,9 @@ import inspect
 
 import pytest
 
-from ditops.bench.model_bench import ModelBench
+from ditops.bench.model_bench import MODEL_BENCHES, ModelBench
 
 pytest.importorskip("diffusers", reason="the diffusers extra is part of the test install")
-
-MODEL_BENCHES = ("flux", "hunyuan_video", "ltx_video", "cogvideox")
 
 
 @pytest.mark.parametrize("name", MODEL_BENCHES)

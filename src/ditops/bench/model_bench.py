@@ -48,6 +48,10 @@ from ditops.bench.model_runs import (
 
 Variants = list[tuple[str, dict[str, Any]]]
 
+#: The model benches ``ditops bench`` runs (a module of :mod:`ditops.bench` each, holding
+#: its ``BENCH`` and ``cli``); a new declaration joins here.
+MODEL_BENCHES = ("flux", "hunyuan_video", "ltx_video", "cogvideox")
+
 
 @dataclass(frozen=True)
 class VariantKind:
