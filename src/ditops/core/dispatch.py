@@ -21,7 +21,7 @@ from ditops.core.calls import OpCall
 from ditops.core.declared import Declared
 from ditops.core.fallback import run_meaning, run_path
 from ditops.core.paths import NATIVE, Decision, PathReport
-from ditops.core.plan import call_reasons, plan
+from ditops.core.plan import call_reasons, plan, small_call, small_why
 from ditops.core.traced import run_traced
 from ditops.platform import device_kind
 from ditops.tracing import traced
@@ -34,12 +34,15 @@ def run(op: Declared, call: OpCall, precision: str | None = None) -> Any:
         early = op.answer_without_paths(call)
         if early is not None:
             return early
-    tensors = call.tensors()  # once: the device kind and every path's checks read them
-    kind = device_kind(tensors[0]) if tensors else "cpu"
+    first = call.first_tensor()  # its device decides, as explain() reads it
+    kind = device_kind(first) if first is not None else "cpu"
     precision = precision or op.precision
     if traced():
         return run_traced(op, kind, call, precision)
     chosen = plan(type(op), kind, precision)
+    if chosen.small_meaning and small_call(chosen, first):
+        return run_meaning(op, call)
+    tensors = call.tensors()  # once: every path's checks read them
     if chosen.competitors:  # DITOPS_TUNE: the class's measured winner, or time them now
         out = tune.dispatch(op, kind, chosen, call, tensors)
         if out is not tune.STATIC:
@@ -68,6 +71,8 @@ def explain(op: Declared, call: OpCall, precision: str | None = None) -> Decisio
         candidates.append(PathReport(report.path, reasons, report.accepts))
         if not reasons and chosen == NATIVE:
             chosen = report.path
+    if first is not None and small_call(chosen_plan, first):
+        return Decision(base.op, kind, base.precision, NATIVE, candidates, small_why(first))
     tuned = tune.recorded(op, kind, chosen_plan, call) if chosen_plan.competitors else None
     if tuned is not None and (
         tuned.winner == NATIVE or any(c.path == tuned.winner and c.usable for c in candidates)
