@@ -14,7 +14,8 @@ out-of-tree platform):
 * :mod:`.forwards`: the served classes; :mod:`.norms` (``FP32LayerNorm``, ``RMSNorm``,
   ``LayerNormScaleShift``, ``ScaleResidualLayerNormScaleShift``) and :mod:`.elementwise`
   (``MulAdd``, ``RMSNormNoWeight``, ``RMSNormScaleShift``,
-  ``ScaleResidualRMSNormScaleShift``, ``GeluAndMul``, ``NewGELU``) in sglang's arithmetic;
+  ``ScaleResidualRMSNormScaleShift``, ``GeluAndMul``, ``NewGELU``) and :mod:`.rotary`
+  (``RotaryEmbedding``) in sglang's arithmetic;
 * :mod:`.attention`: the ``block_sparse_attn`` backend, driven by
   ``--attention-backend-config``.
 
