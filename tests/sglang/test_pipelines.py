@@ -118,3 +118,21 @@ def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
         assert log.count("dense SDPA runs there") <= 2, name  # one line per reason
         ops = bound_ops(log)
         assert {"RMSNorm", "LayerNormScaleShift", "MulAdd"} <= ops, (name, ops)
+
+
+@pytest.mark.slow
+def test_causal_wan_runs_on_ditops(tmp_path: Path) -> None:
+    """sglang's causal Wan (``LongLive2Pipeline``: causal DMD denoising, block by block
+    with a KV cache) end to end with ditops' ops, dense: it cannot take
+    ``block_sparse_attn`` (refused at start-up, ``test_plugin.py``)."""
+    from tests.sglang.tiny_wan import write_tiny_causal_wan
+
+    checkpoint = write_tiny_causal_wan(tmp_path)
+    runs = {"causal wan": (checkpoint, tmp_path / "causal.npy", True, {}, [])}
+    log = run_all(runs)["causal wan"]
+    frames = np.load(runs["causal wan"][1])
+    # 9 frames asked, rounded up to whole blocks of 8 latent frames (29 frames) by sglang.
+    assert frames.shape == (29, 128, 128, 3) and np.isfinite(frames).all()
+    assert "LongLive2" in log
+    ops = bound_ops(log)
+    assert {"FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "MulAdd"} <= ops, ops
