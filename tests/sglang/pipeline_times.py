@@ -7,7 +7,8 @@ from the repository root in sglang's environment. Each run is ``run_generator.py
 process of its own (sglang's scheduler and workers); a step's time is the difference of
 the generate times at ``N`` and 1 step over ``N - 1`` (start-up, text encoding and
 decoding cancel), the best of the repeats. Stock runs only where it runs on the host
-(FLUX.1 and Z-Image on a CPU); the video pipelines run ditops dense and sparse.
+(FLUX.1 and Z-Image on a CPU); the video pipelines run ditops dense and sparse (causal
+Wan dense only: it refuses ``block_sparse_attn``), Qwen-Image ditops.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import tempfile
 from pathlib import Path
 
 from tests.sglang.test_pipelines import SPARSE, run_all
-from tests.sglang.tiny_images import write_tiny_flux, write_tiny_zimage
+from tests.sglang.tiny_images import write_tiny_flux, write_tiny_qwen_image, write_tiny_zimage
 from tests.sglang.tiny_video import write_tiny_hunyuan_video
 from tests.sglang.tiny_wan import write_tiny_causal_wan, write_tiny_wan
 
@@ -29,6 +30,8 @@ PIPELINES = {
               [("stock", False, []), ("ditops", True, [])]),
     "zimage": (write_tiny_zimage, {"RUN_GENERATOR_KIND": "image"},
                [("stock", False, []), ("ditops", True, [])]),
+    "qwen-image": (write_tiny_qwen_image, {"RUN_GENERATOR_KIND": "image"},
+                   [("ditops", True, [])]),
     "wan2.1-t2v": (write_tiny_wan, {}, [("ditops", True, []), ("sparse", True, SPARSE)]),
     "hunyuanvideo": (write_tiny_hunyuan_video, {},
                      [("ditops", True, []), ("sparse", True, SPARSE)]),

@@ -121,18 +121,27 @@ def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_causal_wan_runs_on_ditops(tmp_path: Path) -> None:
-    """sglang's causal Wan (``LongLive2Pipeline``: causal DMD denoising, block by block
-    with a KV cache) end to end with ditops' ops, dense: it cannot take
-    ``block_sparse_attn`` (refused at start-up, ``test_plugin.py``)."""
+def test_qwen_image_and_causal_wan_run_on_ditops(tmp_path: Path) -> None:
+    """Qwen-Image (its rotary embedding among ditops' ops) and sglang's causal Wan
+    (``LongLive2Pipeline``: causal DMD denoising, block by block with a KV cache) end to end
+    with ditops' ops; stock sglang stops at the first fused norm of both on a CPU. Causal
+    Wan runs dense: it cannot take ``block_sparse_attn`` (refused at start-up,
+    ``test_plugin.py``)."""
+    from tests.sglang.tiny_images import write_tiny_qwen_image
     from tests.sglang.tiny_wan import write_tiny_causal_wan
 
-    checkpoint = write_tiny_causal_wan(tmp_path)
-    runs = {"causal wan": (checkpoint, tmp_path / "causal.npy", True, {}, [])}
-    log = run_all(runs)["causal wan"]
-    frames = np.load(runs["causal wan"][1])
+    runs = {
+        "qwen-image": (write_tiny_qwen_image(tmp_path), tmp_path / "qwen.npy", True,
+                       {"RUN_GENERATOR_KIND": "image"}, []),
+        "causal wan": (write_tiny_causal_wan(tmp_path), tmp_path / "causal.npy", True, {}, []),
+    }  # fmt: skip
+    logs = run_all(runs)
+    frames = {name: np.load(run[1]) for name, run in runs.items()}
+    assert frames["qwen-image"].shape == (1, 128, 128, 3)
     # 9 frames asked, rounded up to whole blocks of 8 latent frames (29 frames) by sglang.
-    assert frames.shape == (29, 128, 128, 3) and np.isfinite(frames).all()
-    assert "LongLive2" in log
-    ops = bound_ops(log)
-    assert {"FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "MulAdd"} <= ops, ops
+    assert frames["causal wan"].shape == (29, 128, 128, 3)
+    assert all(np.isfinite(f).all() for f in frames.values())
+    assert "LongLive2" in logs["causal wan"]
+    qwen, causal = bound_ops(logs["qwen-image"]), bound_ops(logs["causal wan"])
+    assert {"RMSNorm", "LayerNormScaleShift", "MulAdd", "RotaryEmbedding"} <= qwen, qwen
+    assert {"FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "MulAdd"} <= causal, causal
