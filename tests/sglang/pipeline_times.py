@@ -7,7 +7,7 @@ from the repository root in sglang's environment. Each run is ``run_generator.py
 process of its own (sglang's scheduler and workers); a step's time is the difference of
 the generate times at ``N`` and 1 step over ``N - 1`` (start-up, text encoding and
 decoding cancel), the best of the repeats. Stock runs only where it runs on the host
-(FLUX.1 and Z-Image on a CPU); the video pipelines run ditops dense and sparse (causal
+(FLUX.1, FLUX.2-klein and Z-Image on a CPU); the video pipelines run ditops dense and sparse (causal
 Wan dense only: it refuses ``block_sparse_attn``), Qwen-Image ditops.
 """
 
@@ -20,7 +20,12 @@ import tempfile
 from pathlib import Path
 
 from tests.sglang.test_pipelines import SPARSE, run_all
-from tests.sglang.tiny_images import write_tiny_flux, write_tiny_qwen_image, write_tiny_zimage
+from tests.sglang.tiny_images import (
+    write_tiny_flux,
+    write_tiny_flux2_klein,
+    write_tiny_qwen_image,
+    write_tiny_zimage,
+)
 from tests.sglang.tiny_video import write_tiny_hunyuan_video
 from tests.sglang.tiny_wan import write_tiny_causal_wan, write_tiny_wan
 
@@ -28,6 +33,8 @@ from tests.sglang.tiny_wan import write_tiny_causal_wan, write_tiny_wan
 PIPELINES = {
     "flux1": (write_tiny_flux, {"RUN_GENERATOR_KIND": "image"},
               [("stock", False, []), ("ditops", True, [])]),
+    "flux2-klein": (write_tiny_flux2_klein, {"RUN_GENERATOR_KIND": "image"},
+                    [("stock", False, []), ("ditops", True, [])]),
     "zimage": (write_tiny_zimage, {"RUN_GENERATOR_KIND": "image"},
                [("stock", False, []), ("ditops", True, [])]),
     "qwen-image": (write_tiny_qwen_image, {"RUN_GENERATOR_KIND": "image"},

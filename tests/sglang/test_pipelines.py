@@ -54,26 +54,37 @@ def bound_ops(log: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_flux1_and_z_image_run_on_ditops_with_stock_s_frames(tmp_path: Path) -> None:
-    flux, zimage = write_tiny_flux(tmp_path), write_tiny_zimage(tmp_path)
+def test_flux1_flux2_and_z_image_run_on_ditops_with_stock_s_frames(tmp_path: Path) -> None:
+    """The image pipelines stock sglang runs on a CPU, stock and with ditops: FLUX.1's
+    frames bitwise stock's; FLUX.2-klein's (its Qwen3 text encoder's rotary embedding on
+    ditops) bitwise in ``exact`` precision; Z-Image's within 1% in ``fast``."""
+    from tests.sglang.tiny_images import write_tiny_flux2_klein
+
+    checkpoints = {
+        "flux": write_tiny_flux(tmp_path), "zimage": write_tiny_zimage(tmp_path),
+        "flux2": write_tiny_flux2_klein(tmp_path),
+    }  # fmt: skip
     image = {"RUN_GENERATOR_KIND": "image"}
     runs = {
         f"{name} {mode}": (ckpt, tmp_path / f"{name}-{mode}.npy", mode == "ditops", image, [])
-        for name, ckpt in (("flux", flux), ("zimage", zimage))
+        for name, ckpt in checkpoints.items()
         for mode in ("stock", "ditops")
     }
+    runs["flux2 ditops"] = (*runs["flux2 ditops"][:3], {**image, "DITOPS_PRECISION": "exact"}, [])
     logs = run_all(runs)
     frames = {name: np.load(run[1]) for name, run in runs.items()}
     for name, f in frames.items():
         assert f.shape == (1, 128, 128, 3) and np.isfinite(f).all(), name
-    # FLUX.1's only served ops are its q/k RMSNorms (ditops' torch convention, bitwise
-    # sglang's in bf16 here); Z-Image adds its adaLN norms and MulAdd-free blocks.
-    assert bound_ops(logs["flux ditops"]) == {"RMSNorm"}
+    # FLUX.1's served ops are its q/k RMSNorms (ditops' torch convention, bitwise sglang's
+    # in bf16 here) and a RotaryEmbedding sglang builds; Z-Image adds its adaLN norms.
+    assert bound_ops(logs["flux ditops"]) == {"RMSNorm", "RotaryEmbedding"}
     assert np.array_equal(frames["flux ditops"], frames["flux stock"])
+    assert {"RMSNorm", "RotaryEmbedding"} <= bound_ops(logs["flux2 ditops"])
+    assert np.array_equal(frames["flux2 ditops"], frames["flux2 stock"])
     assert {"RMSNorm"} <= bound_ops(logs["zimage ditops"])
     diff = np.abs(frames["zimage ditops"] - frames["zimage stock"])
     assert diff.mean() < 0.01 * np.abs(frames["zimage stock"]).mean()
-    assert not bound_ops(logs["flux stock"]) and not bound_ops(logs["zimage stock"])
+    assert not any(bound_ops(logs[f"{name} stock"]) for name in checkpoints)
 
 
 SPARSE = ["block_sparse_attn", "sparsity=0.5,skip_first_steps=1,block_size=16"]
