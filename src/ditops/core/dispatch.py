@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ditops import launch
-from ditops.core import tune
+from ditops.core import tune, tune_launch
 from ditops.core.calls import OpCall
 from ditops.core.declared import Declared
 from ditops.core.fallback import run_meaning, run_path
@@ -89,8 +89,8 @@ def tuned_launch(
     run: Callable[[dict[str, Any]], None],
 ) -> None:
     """A kernel's launch (:mod:`ditops.launch`) with the tuned config for its device's kind
-    (:func:`ditops.core.tune.launch_config`)."""
-    tune.launch_config(kernel, device_kind(device), shape, configs, run)
+    (:func:`ditops.core.tune_launch.launch_config`)."""
+    tune_launch.launch_config(kernel, device_kind(device), shape, configs, run)
 
 
 launch.tuner = tuned_launch  # kernels reach the tuner through ditops.launch
