@@ -59,14 +59,18 @@ def _to_(a: Tensor, lp: Tensor) -> None:
     a.copy_(lp)  # exact
 
 
+def _inv_rms(a: Tensor, sq: Tensor, eps: float) -> Tensor:
+    """``rsqrt(mean(a * a) + eps)`` per row of fp32 ``a`` (``sq``: scratch), ``[n, 1]``."""
+    torch.mul(a, a, out=sq)
+    return sq.mean(-1, keepdim=True).add_(eps).rsqrt_()
+
+
 def _norm_(a: Tensor, sq: Tensor, eps: float, w32: Tensor | None, lp: Tensor | None) -> None:
     """``a`` (fp32 rows) becomes diffusers' RMSNorm of them: ``pow(2)`` (``x * x`` in
     ATen), ``mean``, ``+ eps``, ``rsqrt``, ``x * r``; with a bf16/fp16 weight rounded to
     its dtype first (``lp`` given), then times the weight (an exact fp32 product of two
     such numbers: the caller rounds it once, as eager's product)."""
-    torch.mul(a, a, out=sq)
-    r = sq.mean(-1, keepdim=True)
-    a.mul_(r.add_(eps).rsqrt_())
+    a.mul_(_inv_rms(a, sq, eps))
     if w32 is not None:
         if lp is not None:
             _to_(a, lp)
@@ -111,8 +115,8 @@ def rms_norm_scale(
             if lpv is not None and same:
                 # One low dtype throughout: eager's own ops in that dtype after the norm's
                 # rounding, on half the bytes of the fp32 steps.
-                _norm_(av, sq[:n], eps, None, None)
-                lpv.copy_(av)
+                # the fp32 product rounded once, by the write into nd: x * r then .to(nd)
+                torch.mul(av, _inv_rms(av, sq[:n], eps), out=lpv)
                 if weight is not None:
                     lpv.mul_(weight)
                 o, sh = out[b, l0:l1], _rows(shift, b, l0, l1)
@@ -125,6 +129,9 @@ def rms_norm_scale(
             _norm_(av, sq[:n], eps, w32, lpv if w32 is not None else None)
             if lpv is not None:
                 _to_(av, lpv)  # the norm's output dtype
+            if shift is None and not round_prod:  # the product's rounding is the write's
+                torch.mul(av, _rows(scale, b, l0, l1), out=out[b, l0:l1])
+                return
             av.mul_(_rows(scale, b, l0, l1))
             if lpv is not None and round_prod:
                 _to_(av, lpv)
