@@ -262,3 +262,21 @@ def test_mixed_dtypes_follow_eager_promotion(
     got = _run("exact", x, s, EPS, weight=w, shift=sh)
     assert got.dtype == want.dtype
     assert_exact(got, want)
+
+
+def test_rows_wider_than_the_triton_kernel_holds_run_the_meaning_and_say_why() -> None:
+    import ditops
+    from ditops.custom_op import reset_state
+    from ditops.ops.qk_norm_rope import TRITON_MAX_ROW
+
+    x = torch.randn(1, 2, TRITON_MAX_ROW + 2).to(BF16)
+    s = torch.ones(1, 1, TRITON_MAX_ROW + 2, dtype=BF16)
+    reset_state()
+    try:
+        with ditops.force_device_kind({"cpu": "cuda"}), config.override(precision="fast"):
+            decision = rms_norm_scale.op.explain_call(x, s, EPS)
+    finally:
+        reset_state()
+    assert decision.chosen == "forward_native"
+    reasons = [r for p in decision.candidates for r in p.reasons]
+    assert any(f"the Triton kernel holds <= {TRITON_MAX_ROW}" in r for r in reasons)
