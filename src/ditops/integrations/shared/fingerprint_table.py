@@ -102,8 +102,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "ca9bc82ca0de5ada": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FinalLayer.forward": {
-        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), None,
-            "before per-token (noisy/clean) modulation"),
+        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "no per-token (noisy/clean) modulation: the same global one"),
         "ba75a38896591147": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2AttnProcessor.__call__": {
@@ -117,13 +117,13 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "ea6d4afcbd27187a": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2SingleTransformerBlock.forward": {
-        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), None,
-            "modulation passed as tuples: another block interface"),
+        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "modulation passed split (tuples), not split in the block: the same chunks"),
         "4d80d4a09445b850": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2TransformerBlock.forward": {
-        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), None,
-            "modulation passed as tuples: another block interface"),
+        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "modulation passed split (tuples), not split in the block: the same chunks"),
         "a35f2a4b302cd526": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FluxAttnProcessor.__call__": {
@@ -272,8 +272,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "5fe6b78622d11d61": Seen(_r("0.35.2", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZImageTransformerBlock.forward": {
-        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), None,
-            "before per-token (noisy/clean) modulation"),
+        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "no per-token (noisy/clean) modulation: the same global one"),
         "48c974cc2ee59378": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZSingleStreamAttnProcessor.__call__": {
