@@ -184,8 +184,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
     "LTX2VideoTransformerBlock.forward": {
         "d7bb1a16fbf25240": Seen(_r("0.37.0", "0.37.1"), None,
             "before prompt adaLN and KV-cacheable cross-attention"),
-        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), None,
-            "prompt adaLN always on (no static-table path)"),
+        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), "0.42",
+            "no static prompt table: a path their model never takes"),
         "478c7be6edc9a87b": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTX2VideoTransformerBlock.get_mod_params": {
