@@ -190,6 +190,32 @@ def test_kv_cache_processors_are_kept_and_per_token_modulations_fused(
     assert "qk_norm_rope" not in cpu_paths
 
 
+def test_modulations_handed_split_as_diffusers_0_36_hands_them(cpu_paths: dict) -> None:
+    """diffusers 0.36's model splits the modulations itself and hands the blocks the chunks
+    (``temb_mod_params_img``/``_txt``, ``temb_mod_params``): the fused blocks given them so
+    compute what they compute from the one tensor of 0.37 on, bitwise."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    model = tiny_flux2()
+    ditops.patch(model, precision="exact")
+    double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    g = torch.Generator().manual_seed(3)
+    h, c = (torch.randn(2, n, 32, generator=g).bfloat16() for n in (9, 5))
+    m_img, m_txt, m_one = (torch.randn(2, k * 96, generator=g).bfloat16() for k in (2, 2, 1))
+    with torch.inference_mode():
+        want = double(h, c, m_img, m_txt)
+        got = double(
+            hidden_states=h,
+            encoder_hidden_states=c,
+            temb_mod_params_img=Flux2Modulation.split(m_img, 2),
+            temb_mod_params_txt=Flux2Modulation.split(m_txt, 2),
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        split = Flux2Modulation.split(m_one, 1)[0]
+        assert torch.equal(single(h, None, temb_mod_params=split), single(h, None, m_one))
+    assert cpu_paths["adaln_residual_modulate"] == 4  # fused both ways, not diffusers' code
+
+
 def test_tables_in_another_dtype() -> None:
     """bf16 tables rotate in fp32 in apply_rotary_emb (so in the op, widened); fp64 tables
     rotate in fp64 there: the processor runs diffusers' code for them."""
