@@ -294,3 +294,29 @@ def test_pairs_match_native_and_the_unpaired_path(
     single = check(q, k, v, mask, counts, layout=layout)
     if dtype == torch.float32:
         torch.testing.assert_close(paired, single, atol=2e-6, rtol=2e-6)
+
+
+def test_the_plan_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is dozens of small ops on the mask: on one thread (each 2-thread region
+    waits for a descheduled partner under load); the SDPA calls keep the process's."""
+    seen: dict[str, list[int]] = {"plan": [], "sdpa": []}
+    real_plan, real_sdpa = kernel.plan_buckets, kernel.F.scaled_dot_product_attention
+
+    def plan(*args, **kwargs):
+        seen["plan"].append(torch.get_num_threads())
+        return real_plan(*args, **kwargs)
+
+    def sdpa(*args, **kwargs):
+        seen["sdpa"].append(torch.get_num_threads())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "plan_buckets", plan)
+    monkeypatch.setattr(kernel.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", False)
+    q, k, v = qkv(2, 2, 256, 32, torch.float32)
+    mask = torch.zeros(1, 2, 4, 4, dtype=torch.int8)
+    mask[..., 1:3] = 1
+    before = torch.get_num_threads()
+    run(q, k, v, mask, block_size=64)
+    assert seen["plan"] == [1]
+    assert seen["sdpa"] and set(seen["sdpa"]) == {before}
