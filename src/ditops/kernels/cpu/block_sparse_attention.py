@@ -50,12 +50,14 @@ that is not selected is never read, so it does not reach the output (the meaning
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from ditops.kernels.cpu.blocks import kernel_threads
+from ditops.kernels.cpu import workers
+from ditops.kernels.cpu.blocks import Scratch, kernel_threads
 from ditops.kernels.cpu.gathered_rows import Part, Rows, release_workspace, workspace
 from ditops.kernels.opaque import opaque_op
 
@@ -66,6 +68,13 @@ __all__ = ["gathered_block_sparse_attention", "plan_buckets", "release_workspace
 #: groups for 12 heads. Chunks of 16 MiB were as fast on 1 thread and slower on 2
 #: threads of a busy machine (more parallel regions).
 WORKSPACE_BYTES = 64 * 1024 * 1024
+
+#: Hand whole groups of rows to worker threads (:mod:`ditops.kernels.cpu.workers`), one
+#: intra-op thread each, instead of running each group's copies and SDPA call on the
+#: process's threads; their buffers are the workers' scratch, of
+#: ``SHARED_WORKSPACE_BYTES`` per group (smaller groups: the last one claimed is short).
+SHARE_GROUPS = True
+SHARED_WORKSPACE_BYTES = 16 * 1024 * 1024
 
 #: Serve neighbouring query blocks with mostly the same key blocks as pairs (see
 #: :func:`plan_buckets`): SDPA on 256 query rows works in 64-row tiles instead of
@@ -176,6 +185,10 @@ def plan_buckets(
     return buckets, (counts == 0).nonzero().flatten()
 
 
+#: One group's work items: ``(bucket, first, last)`` slices of buckets.
+Segments = list[tuple["Bucket", int, int]]
+
+
 @opaque_op("ditops::cpu_gathered_block_sparse_attention")
 def gathered_block_sparse_attention(
     q: torch.Tensor,
@@ -238,72 +251,96 @@ def gathered_block_sparse_attention(
     lse = None
     if pairs:
         lse = torch.empty(int(mask.shape[0] * mask.shape[1]) * q_blocks, block_size)
-    per_chunk = max(1, WORKSPACE_BYTES // q.element_size() // max(qr.dim, vr.dim))
+    bytes_per = SHARED_WORKSPACE_BYTES if SHARE_GROUPS else WORKSPACE_BYTES
+    per_chunk = max(1, bytes_per // q.element_size() // max(qr.dim, vr.dim))
     phases = [_groups(pairs, per_chunk), _groups(others, per_chunk)]
     groups = [g for p in phases for g in p]
     if not groups:
-        return out  # every row selects nothing: zeros, written above
+        return out  # every row selecting nothing: zeros, written above
+
+    def serve(
+        segments: Segments, k_buf: torch.Tensor, v_buf: torch.Tensor, q_buf: torch.Tensor
+    ) -> None:
+        """Gather one group's queries, keys and values, attend, write its outputs."""
+        qp, kp, vp = [], [], []
+        for bk, first, last in segments:
+            rows, blocks = bk.rows[first:last], bk.blocks[first:last]
+            qp.append(query_part(rows, bk.q_len, qr))
+            kp.append(key_part(rows, blocks, bk.kv_len, kr))
+            vp.append(key_part(rows, blocks, bk.kv_len, vr))
+        qs, ks, vs = qr.gather(qp, q_buf), kr.gather(kp, k_buf), vr.gather(vp, v_buf)
+        results: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        q_at = kv_at = 0
+        for bk, first, last in segments:
+            n = last - first
+            args = (
+                qs[q_at : q_at + n * bk.q_len].view(n, 1, bk.q_len, qr.dim),
+                ks[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, kr.dim),
+                vs[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, vr.dim),
+            )
+            if bk.kind == "single":
+                attn_mask = None
+                if bk.causal_offset >= 0:
+                    i = torch.arange(bk.q_len)[:, None]
+                    t = torch.arange(bk.kv_len)[None, :]
+                    attn_mask = t <= bk.causal_offset + i
+                o = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale)
+                lse_o = None
+            else:
+                o, lse_o = _WITH_LSE(*args, 0.0, False, scale=scale)
+            rows = bk.rows[first:last]
+            results.setdefault(bk.kind, []).append((rows, o.view(-1, v_dim), lse_o))
+            q_at += n * bk.q_len
+            kv_at += n * bk.kv_len
+        for kind, done in results.items():
+            rows = torch.cat([r for r, _, _ in done]) if len(done) > 1 else done[0][0]
+            length = 2 * block_size if kind == "pair" else block_size
+            if kind == "single":
+                parts = [query_part(r, o.shape[0] // r.numel(), outr) for r, o, _ in done]
+                outr.scatter(parts, [o for _, o, _ in done])
+                continue
+            part = [query_part(rows, length, outr)]
+            found = torch.cat([x.reshape(-1, block_size) for _, _, x in done])
+            if kind == "pair":
+                outr.scatter(part, [o for _, o, _ in done])
+                both = torch.stack([rows, rows + 1], dim=1).reshape(-1)
+                lse.index_copy_(0, both, found)
+                continue
+            # Private items: o = (o_pair * w_pair + o_own * w_own) / (w_pair + w_own)
+            # with w = exp(lse - max): softmax over the union of both key sets.
+            mine = torch.cat([o for _, o, _ in done]).view(-1, block_size, v_dim).float()
+            theirs = outr.gather(part, torch.empty(mine.numel(), dtype=out.dtype))
+            theirs = theirs.view(-1, block_size, v_dim).float()  # may alias out (fp32)
+            their_lse = lse.index_select(0, rows)
+            top = torch.maximum(found, their_lse)
+            w_mine, w_theirs = (found - top).exp_(), (their_lse - top).exp_()
+            merged = mine.mul_(w_mine[..., None]).add_(theirs * w_theirs[..., None])
+            merged.div_((w_mine + w_theirs)[..., None])
+            outr.scatter(part, [merged.to(out.dtype).view(-1, v_dim)])
+
+    if SHARE_GROUPS:
+        # Whole groups handed to worker threads (one intra-op thread each): one gathers
+        # (memory) while the other attends (arithmetic), and no call waits at a barrier.
+        def per_worker(scratch: Scratch) -> Callable[[Segments], None]:
+            def run(segments: Segments) -> None:
+                kv_n = sum((e - f) * bk.kv_len for bk, f, e in segments)
+                q_n = sum((e - f) * bk.q_len for bk, f, e in segments)
+                k_buf = scratch.take(0, 1, kv_n * kr.dim, k.dtype)[0]
+                v_buf = scratch.take(1, 1, kv_n * vr.dim, v.dtype)[0]
+                serve(segments, k_buf, v_buf, scratch.take(2, 1, q_n * qr.dim, q.dtype)[0])
+
+            return run
+
+        for phase in phases:  # pairs first: the private items merge into their results
+            workers.run_items(phase, per_worker)
+        return out
     kv_rows = max(sum((e - f) * bk.kv_len for bk, f, e in g) for g in groups)
     q_rows = max(sum((e - f) * bk.q_len for bk, f, e in g) for g in groups)
     with workspace(
         (kv_rows * kr.dim, k.dtype), (kv_rows * vr.dim, v.dtype), (q_rows * qr.dim, q.dtype)
     ) as (k_buf, v_buf, q_buf):
         for segments in groups:
-            qp, kp, vp = [], [], []
-            for bk, first, last in segments:
-                rows, blocks = bk.rows[first:last], bk.blocks[first:last]
-                qp.append(query_part(rows, bk.q_len, qr))
-                kp.append(key_part(rows, blocks, bk.kv_len, kr))
-                vp.append(key_part(rows, blocks, bk.kv_len, vr))
-            qs, ks, vs = qr.gather(qp, q_buf), kr.gather(kp, k_buf), vr.gather(vp, v_buf)
-            results: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-            q_at = kv_at = 0
-            for bk, first, last in segments:
-                n = last - first
-                args = (
-                    qs[q_at : q_at + n * bk.q_len].view(n, 1, bk.q_len, qr.dim),
-                    ks[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, kr.dim),
-                    vs[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, vr.dim),
-                )
-                if bk.kind == "single":
-                    attn_mask = None
-                    if bk.causal_offset >= 0:
-                        i = torch.arange(bk.q_len)[:, None]
-                        t = torch.arange(bk.kv_len)[None, :]
-                        attn_mask = t <= bk.causal_offset + i
-                    o = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale)
-                    lse_o = None
-                else:
-                    o, lse_o = _WITH_LSE(*args, 0.0, False, scale=scale)
-                rows = bk.rows[first:last]
-                results.setdefault(bk.kind, []).append((rows, o.view(-1, v_dim), lse_o))
-                q_at += n * bk.q_len
-                kv_at += n * bk.kv_len
-            for kind, done in results.items():
-                rows = torch.cat([r for r, _, _ in done]) if len(done) > 1 else done[0][0]
-                length = 2 * block_size if kind == "pair" else block_size
-                if kind == "single":
-                    parts = [query_part(r, o.shape[0] // r.numel(), outr) for r, o, _ in done]
-                    outr.scatter(parts, [o for _, o, _ in done])
-                    continue
-                part = [query_part(rows, length, outr)]
-                found = torch.cat([x.reshape(-1, block_size) for _, _, x in done])
-                if kind == "pair":
-                    outr.scatter(part, [o for _, o, _ in done])
-                    both = torch.stack([rows, rows + 1], dim=1).reshape(-1)
-                    lse.index_copy_(0, both, found)
-                    continue
-                # Private items: o = (o_pair * w_pair + o_own * w_own) / (w_pair + w_own)
-                # with w = exp(lse - max): softmax over the union of both key sets.
-                mine = torch.cat([o for _, o, _ in done]).view(-1, block_size, v_dim).float()
-                theirs = outr.gather(part, torch.empty(mine.numel(), dtype=out.dtype))
-                theirs = theirs.view(-1, block_size, v_dim).float()  # may alias out (fp32)
-                their_lse = lse.index_select(0, rows)
-                top = torch.maximum(found, their_lse)
-                w_mine, w_theirs = (found - top).exp_(), (their_lse - top).exp_()
-                merged = mine.mul_(w_mine[..., None]).add_(theirs * w_theirs[..., None])
-                merged.div_((w_mine + w_theirs)[..., None])
-                outr.scatter(part, [merged.to(out.dtype).view(-1, v_dim)])
+            serve(segments, k_buf, v_buf, q_buf)
     return out
 
 
