@@ -15,12 +15,12 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 from ditops.attention.methods import sample_rows, sampled_block_scores_fp32
+from ditops.bench.harness import interleaved
 from ditops.kernels.cpu.sampled_scores import sampled_block_scores_fp32 as per_worker
 from ditops.ops.estimate_block_mask import estimate_block_mask
 
@@ -52,15 +52,9 @@ def main() -> None:
     with torch.inference_mode():
         a, b = variants["fp32 scores, 2-thread calls"](), workers_form()
         print(f"max |difference| of the two fp32 forms: {float((a - b).abs().max()):.3g}")
-        times: dict[str, list[float]] = {name: [] for name in variants}
-        for fn in variants.values():
-            fn()
-        for r in range(args.rounds):
-            for name, fn in variants.items():
-                t0 = time.perf_counter()
-                fn()
-                times[name].append(time.perf_counter() - t0)
-            print(f"round {r}: load {os.getloadavg()}", flush=True)
+        print(f"# load before: {os.getloadavg()}", flush=True)
+        times = interleaved(variants, args.rounds)
+        print(f"# load after: {os.getloadavg()}", flush=True)
     med = {name: statistics.median(ts) for name, ts in times.items()}
     dense = med["dense SDPA"]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, medians of {args.rounds}")

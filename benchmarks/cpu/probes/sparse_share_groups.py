@@ -16,13 +16,13 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
-import time
 
 import torch
 import torch.nn.functional as F
 
 import ditops.kernels.cpu.block_sparse_attention as K
 from ditops.attention import BlockSparseConfig
+from ditops.bench.harness import interleaved
 from ditops.bench.video_attention import SHAPES, video_attention
 from ditops.layers.sparse_attention import BlockSparseAttention
 
@@ -58,13 +58,9 @@ def main() -> None:
                 "shared groups": lambda: kernel(True),
                 "process threads": lambda: kernel(False),
             }
-            times: dict[str, list[float]] = {n: [] for n in variants}
-            for r in range(args.rounds):
-                for name, fn in variants.items():
-                    t0 = time.perf_counter()
-                    fn()
-                    times[name].append(time.perf_counter() - t0)
-                print(f"# {label} round {r}: load {os.getloadavg()}", flush=True)
+            print(f"# load before: {os.getloadavg()}", flush=True)
+            times = interleaved(variants, args.rounds)
+            print(f"# load after: {os.getloadavg()}", flush=True)
             d = statistics.median(times["dense SDPA"])
             print(f"{label} mask, density {float(mask.float().mean()):.3f}, same bits: {same}")
             for name, ts in times.items():
