@@ -281,6 +281,7 @@ def test_pairs_match_native_and_the_unpaired_path(
 ) -> None:
     """Pairs (merged with private items through the log-sum-exp) give native's answer,
     with GQA, a partial last query block (never paired) and a row with no key."""
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", True)
     gen = torch.Generator().manual_seed(15)
     q = torch.randn(1, 2, 700, 32, generator=gen).to(dtype)  # 6 blocks of 128, last partial
     k = torch.randn(1, 1, 768, 32, generator=gen).to(dtype)
@@ -336,6 +337,7 @@ def test_groups_on_worker_threads_give_the_same_bits(
 
     monkeypatch.setattr(workers, "WORKERS", 2)
     monkeypatch.setattr(kernel, "SHARED_WORKSPACE_BYTES", 64 * 1024)
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", True)
     q, k, v = qkv(4, 2, 1000, 32, dtype)
     mask, counts = random_mask(1, 4, num_blocks(1000, 64), num_blocks(1000, 64), 0.5)
     mask[:, :, 2:6] = mask[:, :, 2:3]  # neighbouring rows alike: pairs

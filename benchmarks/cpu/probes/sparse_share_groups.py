@@ -7,7 +7,8 @@ threads, against dense SDPA (issue 39, item 4).
 a random mask (every row its own 16 key blocks: no pairs) and the layer's own estimate
 (first frame forced). Variants, interleaved per round: dense SDPA; the kernel with
 ``SHARE_GROUPS`` (groups of 16 MiB handed to worker threads, one intra-op thread each)
-and without (64 MiB groups, each copy and SDPA call on the process's threads). Prints
+and without (64 MiB groups, each copy and SDPA call on the process's threads), each
+without and with pairs of query blocks (``PAIR_QUERY_BLOCKS``). Prints
 medians, ``x dense`` and the load per round. Both variants give the same bits (checked).
 """
 
@@ -48,8 +49,8 @@ def main() -> None:
         estimated, _ = layer._estimate(q, k, layout="BNSD", scale=None, dense_blocks=dense_blocks)
         for label, mask in (("random", random), ("estimator", estimated)):
 
-            def kernel(share: bool, mask=mask) -> torch.Tensor:
-                K.SHARE_GROUPS = share
+            def kernel(share: bool, pairs: bool = False, mask=mask) -> torch.Tensor:
+                K.SHARE_GROUPS, K.PAIR_QUERY_BLOCKS = share, pairs
                 return K.gathered_block_sparse_attention(q, k, v, mask, scale, False, 128, False)
 
             same = torch.equal(kernel(True), kernel(False))
@@ -57,6 +58,8 @@ def main() -> None:
                 "dense SDPA": lambda: F.scaled_dot_product_attention(q, k, v),
                 "shared groups": lambda: kernel(True),
                 "process threads": lambda: kernel(False),
+                "shared, pairs": lambda: kernel(True, True),
+                "process, pairs": lambda: kernel(False, True),
             }
             print(f"# load before: {os.getloadavg()}", flush=True)
             times = interleaved(variants, args.rounds)
@@ -66,7 +69,7 @@ def main() -> None:
             for name, ts in times.items():
                 m = statistics.median(ts)
                 print(f"  {name:<16} {m * 1e3:9.1f} ms  {d / m:5.2f}x dense", flush=True)
-    K.SHARE_GROUPS = True
+    K.SHARE_GROUPS, K.PAIR_QUERY_BLOCKS = True, False
     print(f"# load at the end {os.getloadavg()}")
 
 

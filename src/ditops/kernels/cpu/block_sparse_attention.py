@@ -14,7 +14,8 @@ block, a few % of the time), and 128-row queries, on which the flash kernel work
 32-row tiles where a dense call uses 256-row ones (the ceiling of this design:
 ``benchmarks/cpu/probes/sparse_attention_parts.py`` measures the speed per key).
 
-Pairs (not causal): two neighbouring query blocks of a head whose selections mostly
+Pairs (not causal; off by default since the groups run on worker threads, see
+``PAIR_QUERY_BLOCKS``): two neighbouring query blocks of a head whose selections mostly
 agree (``PAIR_MIN_SHARED``) run as one 256-row query over the key blocks both select
 (64-row tiles), and each block then runs alone over the blocks only it selects; the two
 parts are merged through their log-sum-exps (``w = exp(lse - max)``, in fp32). Video
@@ -28,7 +29,12 @@ threads, which on a busy machine costs milliseconds. So the copies are few and b
 up to ``WORKSPACE_BYTES`` of keys (and of values) per group of rows, gathered with one
 copy each for all the buckets in the group, and the outputs written once per group.
 The buffers are kept between calls (fresh ones would page-fault on every call: field
-notes, glibc malloc); :func:`release_workspace` frees them.
+notes, glibc malloc); :func:`release_workspace` frees them. With ``SHARE_GROUPS`` (the
+default) the groups are handed out to :mod:`ditops.kernels.cpu.workers` threads, one
+intra-op thread each, with ``SHARED_WORKSPACE_BYTES`` buffers from each worker's scratch
+(kept per thread; :func:`ditops.kernels.cpu.blocks.release` frees a thread's): while one
+thread copies keys the other attends, and no call waits at a barrier for a descheduled
+thread (the plan runs on one thread for the same reason).
 
 Meaning (see :mod:`ditops.attention.reference`): softmax over the union of the
 selected key blocks; a row with none outputs zeros; GQA maps query head ``n`` to key
@@ -78,8 +84,11 @@ SHARED_WORKSPACE_BYTES = 16 * 1024 * 1024
 
 #: Serve neighbouring query blocks with mostly the same key blocks as pairs (see
 #: :func:`plan_buckets`): SDPA on 256 query rows works in 64-row tiles instead of
-#: 32-row ones.
-PAIR_QUERY_BLOCKS = True
+#: 32-row ones. Off: with the groups on worker threads (``SHARE_GROUPS``) the pairs'
+#: second phase, extra calls and merges cost more than the larger tiles gain (the
+#: estimator's masks at Wan's shape, keep 0.25: 3.28x dense unpaired vs 2.86x paired at
+#: load 7-8, ``benchmarks/cpu/probes/sparse_share_groups.txt``).
+PAIR_QUERY_BLOCKS = False
 #: ... when the blocks both select are at least this share of the larger selection.
 PAIR_MIN_SHARED = 0.5
 
