@@ -39,7 +39,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     random = torch.zeros(1, q.shape[1], nb, nb, dtype=torch.int8)
     random.scatter_(
-        -1, torch.rand(1, q.shape[1], nb, nb, generator=g).argsort(-1)[..., : nb // 4], 1
+        -1, torch.rand(1, q.shape[1], nb, nb, generator=g).argsort(-1)[..., : round(nb / 4)], 1
     )
     layer = BlockSparseAttention(BlockSparseConfig(sparsity=0.75), dense_blocks=dense_blocks)
     scale = q.shape[-1] ** -0.5
