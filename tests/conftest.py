@@ -62,3 +62,14 @@ def _seeded_rng() -> None:
     inputs left to the previous tests' draws, 3 seeds in 2000 put one element more than
     the per-element rate allows into a 960-element fast-path check)."""
     torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_small_call_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Tests assert which path a call takes on small tensors (their shapes are small so
+    Triton's interpreter stays quick): the small-call rule, which runs the meaning for
+    calls under ``SMALL_CALL_ELEMENTS`` when tuning is on, is off unless a test turns it
+    back on (tests/test_small_calls.py)."""
+    from ditops.core import plan
+
+    monkeypatch.setattr(plan, "SMALL_CALL_ELEMENTS", 0)

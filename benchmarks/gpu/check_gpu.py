@@ -8,7 +8,7 @@ Sections, each writing OUT_DIR/gpu.json as it finishes (a run cut short keeps wh
    and torch.compile of the meaning, at the issue's shapes, sweeping num_warps.
 2. block_sparse_attention on cuda: agreement with the native reference (small shape),
    then [1, 12, S, 128] bf16 at keep 0.5/0.25/0.1 against dense SDPA, and the estimate.
-3. The launch-config tuner (DITOPS_TUNE=on, ditops.core.tune.launch_config): the Triton
+3. The launch-config tuner (DITOPS_TUNE=on, ditops.core.tune_launch.launch_config): the Triton
    LayerNorm/modulation kernels at Wan and FLUX shapes, the config chosen per shape
    class (printed and in gpu.json "tuned"), and the kernel's time with the static config
    against the tuned one, interleaved.

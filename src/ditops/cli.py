@@ -79,11 +79,20 @@ def _bench_quick(args: argparse.Namespace) -> int:
     """``--quick``: the tiny offline pipelines of :mod:`ditops.bench.quick` (under a minute)."""
     from ditops.bench import quick, tiny
 
-    other = [f for f, on in (("SUITE", args.suites), ("--model", args.model),
-                             ("--parallel", args.parallel)) if on]  # fmt: skip
+    other = [
+        f
+        for f, on in (
+            ("SUITE", args.suites),
+            ("--model", args.model),
+            ("--parallel", args.parallel),
+        )
+        if on
+    ]
     if other:  # never silently ignored
-        print(f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
-              file=sys.stderr)  # fmt: skip
+        print(
+            f"ditops bench --quick runs its own tiny models; drop {', '.join(other)}",
+            file=sys.stderr,
+        )
         return 2
     try:
         tiny.require("diffusers", "transformers")
@@ -113,7 +122,9 @@ def _bench_suites(args: argparse.Namespace) -> int:
     from ditops.core import tune, tune_report
 
     names = args.suites or ["wan"]
-    models = ("wan", "flux", "hunyuan_video", "ltx_video", "cogvideox", "sglang")
+    from ditops.bench.model_bench import MODEL_BENCHES
+
+    models = ("wan", *MODEL_BENCHES, "sglang")
     unknown = [n for n in names if n not in SUITES and n not in models]
     if unknown:
         print(
@@ -159,18 +170,12 @@ def _bench_suites(args: argparse.Namespace) -> int:
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
             payload[name] = sglang.cli(device, args.size, dtype)
             continue
-        if name == "flux":  # a small FLUX model end to end (needs diffusers)
-            from ditops.bench import flux
-
-            payload["flux"] = flux.cli(device, args.size, not args.no_progress)
-            continue
-        if name in ("hunyuan_video", "ltx_video", "cogvideox"):  # small video models (diffusers)
-            from ditops.bench import cogvideox, hunyuan_video, ltx_video
+        if name in MODEL_BENCHES:  # a small diffusers model end to end (bench/model_bench.py)
+            import importlib
 
             dtype = None if args.dtype == "auto" else getattr(torch, args.dtype)
-            video = {"hunyuan_video": hunyuan_video, "ltx_video": ltx_video,
-                     "cogvideox": cogvideox}[name]  # fmt: skip
-            payload[name] = video.cli(device, args.size, not args.no_progress, dtype)
+            bench = importlib.import_module(f"ditops.bench.{name}")
+            payload[name] = bench.cli(device, args.size, not args.no_progress, dtype)
             continue
         suite = get_suite(name)
         where = f", malloc {malloc}" if malloc else ""
@@ -344,8 +349,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--dtype",
         choices=("auto", "bfloat16", "float32"),
         default="auto",
-        help="wan suite: the model's dtype (auto: bfloat16, or float32 on CPUs without "
-        "AVX-512, where bf16 matmuls are a slow fallback)",
+        help="wan suite and the model benches: the model's dtype (auto: bfloat16, or float32 "
+        "on CPUs without AVX-512, where bf16 matmuls are a slow fallback; flux: bfloat16)",
     )
     bench.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"

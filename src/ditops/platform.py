@@ -48,7 +48,12 @@ def device_kind(obj: torch.Tensor | torch.device | str) -> str:
     to dispatch CPU tensors as if they lived on another device).
     """
     if isinstance(obj, torch.Tensor):
+        # Not ``obj.is_cpu`` (cheaper eagerly): dynamo keeps that read as a graph node,
+        # where ``.device`` is a constant (tests/integrations/test_compile_graph.py).
         dev_type = obj.device.type
+        if dev_type == "cpu":
+            forced = getattr(_local, "mapping", None)
+            return forced.get("cpu", "cpu") if forced else "cpu"
     elif isinstance(obj, torch.device):
         dev_type = obj.type
     elif isinstance(obj, str):

@@ -55,3 +55,9 @@ def test_cli_runs_the_flux_suite(monkeypatch: pytest.MonkeyPatch, tmp_path, caps
     assert "== flux (small): 9 image + 2 text tokens" in capsys.readouterr().out
     payload = json.loads(path.read_text())
     assert [s["variant"] for s in payload["flux"]["summary"]] == ["unpatched", "exact", "fast"]
+    assert payload["flux"]["dtype"] == "bfloat16"  # --dtype auto: FLUX's own
+    # --dtype is honoured (it was ignored by this suite before the model benches shared a runner)
+    assert (
+        cli.main(["bench", "flux", "--no-progress", "--dtype", "float32", "--json", str(path)]) == 0
+    )
+    assert json.loads(path.read_text())["flux"]["dtype"] == "float32"

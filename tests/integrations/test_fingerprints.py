@@ -137,3 +137,23 @@ def test_an_rms_norm_with_another_eps_is_refused_naming_it(
     with pytest.raises(PatchError, match=r"RMSNorm.forward of diffusers .* differs"):
         ditops.patch(model, precision="exact")
     assert not hasattr(model, "_ditops_patch")
+
+
+def test_relied_pairs_each_dotted_name_with_its_table_under_its_label() -> None:
+    from diffusers.models.transformers import transformer_ltx
+
+    from ditops.integrations.shared.fingerprints import known, relied
+
+    got = relied(normalization, "RMSNorm.forward", "AdaLayerNorm.forward")
+    assert list(got) == ["RMSNorm.forward", "AdaLayerNorm.forward"]
+    assert got["RMSNorm.forward"] == (normalization.RMSNorm.forward, known("RMSNorm.forward"))
+    label = "transformer_ltx.apply_rotary_emb"
+    assert relied(transformer_ltx, "apply_rotary_emb", label="transformer_ltx.{}") == {
+        label: (transformer_ltx.apply_rotary_emb, known(label))
+    }
+    # a module's dotted path is imported when asked (a family's relied_on stays lazy)
+    assert relied("diffusers.models.normalization", "RMSNorm.forward") == {
+        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward"))
+    }
+    with pytest.raises(KeyError):  # a name the table does not hold is a mistake of ours
+        relied(normalization, "RMSNorm.__init__")

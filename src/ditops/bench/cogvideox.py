@@ -1,42 +1,28 @@
 """Benchmark suite ``cogvideox`` of ``ditops bench``: a small CogVideoX model end to end.
 
-A ``CogVideoXTransformer3DModel`` built from keyword arguments (random weights, no
-download) with CogVideoX-5B's geometry (head dim 64, patch 2, rotary tables, 226 text
-tokens first, no text mask), in the 1.0 layout and the 1.5 one (``patch_size_t=2``),
-runs one forward under each variant:
-
-* ``unpatched``: diffusers as it is;
-* ``exact``: ``ditops.patch(model, precision="exact")`` (bitwise the unpatched model);
-* ``sparse 0.5`` / ``sparse 0.75``: exact norms and block-sparse attention for the video
-  queries at that sparsity (text queries dense, the text and first frame's keys dense).
-
-The variants take turns for ``rounds`` rounds after one untimed call each (see
-:func:`ditops.bench.model_runs.interleaved_forwards`); per variant (HunyuanVideo's
-bench's summary and table): the median seconds
-per forward and inside the attention modules, the median per-round ratios to
-``unpatched``, the block density asked and realised, and the drift of the output from the
-unpatched one (max abs relative to its peak, cosine, PSNR).
+A ``CogVideoXTransformer3DModel`` (random weights, no download) with CogVideoX-5B's
+geometry (head dim 64, patch 2, rotary tables, 226 text tokens first, no text mask), in the
+1.0 layout and the 1.5 one (``patch_size_t=2``), runs one forward under each variant
+(:data:`~ditops.bench.sparse_video.SPARSE` but the permuted mode: ``unpatched``, ``exact``,
+``sparse 0.5`` / ``sparse 0.75``: block-sparse attention for the video queries, text
+queries dense, the text and first frame's keys dense), as :mod:`ditops.bench.hunyuan_video`
+does.
 
 ``size``: ``small`` is 4 heads of 64, one block, 13 token frames of 16 x 24 (4992 video
 tokens; 26 latent frames under 1.5); ``full`` is CogVideoX-5B's width (48 heads) at 480 x
-720 (13 token frames of 30 x 45, 17550 tokens), for GPUs. ``dtype`` None: bf16, or fp32
-on a CPU whose bf16 matmuls are a slow fallback.
+720 (13 token frames of 30 x 45, 17550 tokens), for GPUs. ``run``'s ``tokens`` (token
+frames, height, width of the video after the patch) replace the size's.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
-from ditops.bench.model_runs import build_seeded, size_config, sparse_variants
-from ditops.bench.sparse_video import (
-    SPARSITIES,
-    default_dtype,
-    print_rows,
-    time_variants,
-)
+from ditops.bench.model_bench import ModelBench
+from ditops.bench.model_runs import sparse_variants
+from ditops.bench.sparse_video import SPARSE, SPARSITIES
 
 BASE_CONFIG: dict[str, Any] = {
     "attention_head_dim": 64,
@@ -63,12 +49,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
-    from diffusers import CogVideoXTransformer3DModel
-
-    return build_seeded(CogVideoXTransformer3DModel, device, dtype, config)
-
-
 def make_inputs(
     config: dict[str, Any], latent: tuple[int, int, int], device: torch.device, dtype: torch.dtype
 ) -> dict[str, Any]:
@@ -92,83 +72,27 @@ def make_inputs(
     }
 
 
-def self_attentions(model: Any) -> list[Any]:
-    return [b.attn1 for b in model.transformer_blocks]
-
-
-def run(
-    device: torch.device,
-    size: str = "small",
-    layout: str = "1.0",
-    *,
-    rounds: int | None = None,
-    tokens: tuple[int, int, int] | None = None,
-    block_size: int = 128,
-    dtype: torch.dtype | None = None,
-    progress: bool = True,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """Time every variant, interleaved; returns the config, per-round times and a summary.
-
-    ``rounds`` and ``tokens`` (token frames, height, width of the video after the patch)
-    replace the size's; ``overrides`` replace entries of the model config.
-    """
-    if layout not in LAYOUTS:
-        raise ValueError(f"cogvideox bench: layout must be one of {sorted(LAYOUTS)}")
-    spec, config = size_config(
-        "cogvideox", SIZES, size, BASE_CONFIG, {**LAYOUTS[layout], **overrides}
-    )
-    rounds = spec["rounds"] if rounds is None else rounds
-    frames, th, tw = spec["tokens"] if tokens is None else tokens
+def _inputs(config: dict[str, Any], device: Any, dtype: Any, tokens: Any) -> Any:
+    frames, th, tw = tokens
     p, pt = config["patch_size"], config.get("patch_size_t") or 1
-    latent = (frames * pt, th * p, tw * p)
-    dtype = default_dtype(device) if dtype is None else dtype
-    model = build_model(device, dtype, **config)
-    x = make_inputs(config, latent, device, dtype)
-    variants = sparse_variants(block_size, SPARSITIES)
-
-    times, attn, summary = time_variants(
-        model, x, device, variants, rounds, self_attentions, f"cogvideox {layout}", progress
-    )
-    return {
-        "config": {k: (list(v) if isinstance(v, tuple) else v) for k, v in config.items()},
-        "size": size,
-        "layout": layout,
-        "dtype": str(dtype).replace("torch.", ""),
-        "video_tokens": frames * th * tw,
-        "text_tokens": config["max_text_seq_length"],
-        "block_size": block_size,
-        "rounds": rounds,
-        "seconds": times,
-        "attention_seconds": attn,
-        "summary": summary,
-    }
+    x = make_inputs(config, (frames * pt, th * p, tw * p), device, dtype)
+    return x, {"video_tokens": frames * th * tw, "text_tokens": config["max_text_seq_length"]}
 
 
-def print_report(result: dict[str, Any], out: Any = None) -> None:
-    out = sys.stdout if out is None else out
-    cfg = result["config"]
-    print(
-        f"\n== cogvideox {result['layout']} ({result['size']}): {result['video_tokens']} video "
-        f"+ {result['text_tokens']} text tokens, {cfg['num_attention_heads']} heads of "
-        f"{cfg['attention_head_dim']}, {cfg['num_layers']} block(s), {result['dtype']}, "
-        f"blocks of {result['block_size']}, {result['rounds']} interleaved rounds",
-        file=out,
-    )
-    print_rows(result["summary"], out)
-
-
-def cli(
-    device: torch.device, size: str, progress: bool, dtype: torch.dtype | None = None
-) -> dict[str, Any]:
-    """``ditops bench cogvideox``: both layouts, run and printed (stderr: what runs; stdout:
-    the report)."""
-    print(
-        f"ditops bench: cogvideox (small CogVideoX 1.0 and 1.5 configs) on {device}, size {size}",
-        file=sys.stderr,
-    )
-    results = {}
-    for layout in LAYOUTS:
-        results[layout] = run(device, size, layout, progress=progress, dtype=dtype)
-        print_report(results[layout])
-    return results
+BENCH = ModelBench(
+    name="cogvideox",
+    title="small CogVideoX 1.0 and 1.5 configs",
+    model="CogVideoXTransformer3DModel",
+    base_config=BASE_CONFIG,
+    sizes=SIZES,
+    shape=("tokens",),
+    inputs=_inputs,
+    attentions=lambda model: [b.attn1 for b in model.transformer_blocks],
+    headline="cogvideox {layout} ({size}): {video_tokens} video + {text_tokens} text tokens, "
+    "{config[num_attention_heads]} heads of {config[attention_head_dim]}, {config[num_layers]} "
+    "block(s), {dtype}, blocks of {block_size}, {rounds} interleaved rounds",
+    kind=SPARSE,
+    variants=lambda block_size: sparse_variants(block_size, SPARSITIES),
+    layouts=LAYOUTS,
+)
+run, print_report, cli = BENCH.run, BENCH.print_report, BENCH.cli

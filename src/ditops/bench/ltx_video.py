@@ -1,35 +1,24 @@
 """Benchmark suite ``ltx_video`` of ``ditops bench``: a small LTX-Video model end to end.
 
-An ``LTXVideoTransformer3DModel`` built from keyword arguments (random weights, no
-download) with LTX-Video's geometry (head dim 64, patch 1, RMSNorm blocks, text with
-padding) runs one forward under each variant, as :mod:`ditops.bench.hunyuan_video` does:
-``unpatched``, ``exact`` (bitwise the unpatched model), ``sparse 0.5`` / ``sparse 0.75``
-(exact norms and block-sparse self-attention, the first frame dense) and ``sparse 0.75
-perm`` (the permuted mode), in turns for ``rounds`` rounds after one untimed call each; per
-variant the median seconds per forward and inside the self-attentions (``attn1``), the
-per-round ratios to ``unpatched``, the density asked and run, the drift (max relative,
-cosine, PSNR).
+An ``LTXVideoTransformer3DModel`` (random weights, no download) with LTX-Video's geometry
+(head dim 64, patch 1, RMSNorm blocks, text with padding) runs one forward under each
+sparse variant, as :mod:`ditops.bench.hunyuan_video` does; ``attn``: the self-attentions
+(``attn1``).
 
 ``size``: ``small`` is 8 heads of 64, 2 blocks, 8 latent frames of 16 x 24 tokens (3072
 video tokens) and 64 text tokens (16 padded); ``full`` is LTX-Video's width (32 heads of
 64) at its 768 x 512, 121-frame latent (16 frames of 16 x 24: 6144 tokens), for GPUs.
+``run``'s ``latent`` (frames, height, width) and ``text_tokens`` replace the size's.
 """
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
 
-from ditops.bench.model_runs import build_seeded, size_config, sparse_variants
-from ditops.bench.sparse_video import (
-    PERMUTED_SPARSITY,
-    SPARSITIES,
-    default_dtype,
-    print_rows,
-    time_variants,
-)
+from ditops.bench.model_bench import ModelBench
+from ditops.bench.sparse_video import SPARSE, padded_text_mask, video_inputs
 
 BASE_CONFIG: dict[str, Any] = {
     "in_channels": 128,
@@ -64,12 +53,6 @@ SIZES: dict[str, dict[str, Any]] = {
 }
 
 
-def build_model(device: torch.device, dtype: torch.dtype, **config: Any) -> Any:
-    from diffusers import LTXVideoTransformer3DModel
-
-    return build_seeded(LTXVideoTransformer3DModel, device, dtype, config)
-
-
 def make_inputs(
     config: dict[str, Any],
     latent: tuple[int, int, int],
@@ -83,14 +66,12 @@ def make_inputs(
     frames, h, w = latent
     p, pt = config["patch_size"], config["patch_size_t"]
     tokens = (frames // pt) * (h // p) * (w // p)
-    mask = torch.ones(1, text_tokens, dtype=torch.int64)
-    mask[:, text_tokens - text_tokens // 4 :] = 0
     rand = lambda *shape: torch.randn(*shape, generator=gen).to(device, dtype)  # noqa: E731
     return {
         "hidden_states": rand(1, tokens, config["in_channels"] * p * p * pt),
         "encoder_hidden_states": rand(1, text_tokens, config["caption_channels"]),
         "timestep": torch.tensor([900], device=device),
-        "encoder_attention_mask": mask.to(device),
+        "encoder_attention_mask": padded_text_mask(text_tokens).to(device),
         "num_frames": frames,
         "height": h,
         "width": w,
@@ -102,69 +83,19 @@ def self_attentions(model: Any) -> list[Any]:
     return [b.attn1 for b in model.transformer_blocks]
 
 
-def run(
-    device: torch.device,
-    size: str = "small",
-    *,
-    rounds: int | None = None,
-    latent: tuple[int, int, int] | None = None,
-    text_tokens: int | None = None,
-    block_size: int = 128,
-    dtype: torch.dtype | None = None,
-    progress: bool = True,
-    **overrides: Any,
-) -> dict[str, Any]:
-    """Time every variant, interleaved; returns the config, per-round times and a summary
-    (arguments as :func:`ditops.bench.hunyuan_video.run`)."""
-    spec, config = size_config("ltx_video", SIZES, size, BASE_CONFIG, overrides)
-    rounds = spec["rounds"] if rounds is None else rounds
-    latent = spec["latent"] if latent is None else latent
-    n_text = spec["text_tokens"] if text_tokens is None else text_tokens
-    dtype = default_dtype(device) if dtype is None else dtype
-    model = build_model(device, dtype, **config)
-    x = make_inputs(config, latent, n_text, device, dtype)
-    variants = sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY)
-
-    times, attn, summary = time_variants(
-        model, x, device, variants, rounds, self_attentions, "ltx_video", progress
-    )
-    return {
-        "config": dict(config),
-        "size": size,
-        "dtype": str(dtype).replace("torch.", ""),
-        "video_tokens": int(x["hidden_states"].shape[1]),
-        "text_tokens": n_text,
-        "padded_text_tokens": n_text // 4,
-        "block_size": block_size,
-        "rounds": rounds,
-        "seconds": times,
-        "attention_seconds": attn,
-        "summary": summary,
-    }
-
-
-def print_report(result: dict[str, Any], out: Any = None) -> None:
-    out = sys.stdout if out is None else out
-    cfg = result["config"]
-    print(
-        f"\n== ltx_video ({result['size']}): {result['video_tokens']} video + "
-        f"{result['text_tokens']} text tokens ({result['padded_text_tokens']} padded), "
-        f"{cfg['num_attention_heads']} heads of {cfg['attention_head_dim']}, "
-        f"{cfg['num_layers']} blocks, {result['dtype']}, blocks of {result['block_size']}, "
-        f"{result['rounds']} interleaved rounds; attn: the self-attentions (attn1)",
-        file=out,
-    )
-    print_rows(result["summary"], out)
-
-
-def cli(
-    device: torch.device, size: str, progress: bool, dtype: torch.dtype | None = None
-) -> dict[str, Any]:
-    """``ditops bench ltx_video``: run and print (stderr: what runs; stdout: the report)."""
-    print(
-        f"ditops bench: ltx_video (a small LTX-Video config) on {device}, size {size}",
-        file=sys.stderr,
-    )
-    result = run(device, size, progress=progress, dtype=dtype)
-    print_report(result)
-    return result
+BENCH = ModelBench(
+    name="ltx_video",
+    title="a small LTX-Video config",
+    model="LTXVideoTransformer3DModel",
+    base_config=BASE_CONFIG,
+    sizes=SIZES,
+    shape=("latent", "text_tokens"),
+    inputs=video_inputs(make_inputs),
+    attentions=self_attentions,
+    headline="ltx_video ({size}): {video_tokens} video + {text_tokens} text tokens "
+    "({padded_text_tokens} padded), {config[num_attention_heads]} heads of "
+    "{config[attention_head_dim]}, {config[num_layers]} blocks, {dtype}, blocks of "
+    "{block_size}, {rounds} interleaved rounds; attn: the self-attentions (attn1)",
+    kind=SPARSE,
+)
+run, print_report, cli = BENCH.run, BENCH.print_report, BENCH.cli

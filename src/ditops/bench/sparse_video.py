@@ -1,7 +1,7 @@
-"""The runner the sparse-attention video benches (``hunyuan_video``, ``ltx_video``,
-``cogvideox``) are declared on: their variants (unpatched, exact, block-sparse at each
-sparsity, the permuted mode), one model's forwards timed interleaved with the attention
-modules probed, the summary per variant and its table."""
+"""The sparse-attention video benches' :class:`~ditops.bench.model_bench.VariantKind`
+(``hunyuan_video``, ``ltx_video``, ``cogvideox``): their variants (unpatched, exact,
+block-sparse at each sparsity, the permuted mode), the probe of the attention modules
+(seconds, densities of the estimated masks), the summary per variant and its table."""
 
 from __future__ import annotations
 
@@ -11,11 +11,8 @@ from typing import Any
 
 import torch
 
-from ditops.bench.model_runs import (
-    SparseAttentionProbe,
-    interleaved_forwards,
-    timing_summary,
-)
+from ditops.bench.model_bench import VariantKind
+from ditops.bench.model_runs import SparseAttentionProbe, sparse_variants, timing_summary
 
 SPARSITIES = (0.5, 0.75)
 PERMUTED_SPARSITY = 0.75
@@ -27,42 +24,39 @@ def default_dtype(device: torch.device) -> torch.dtype:
     return torch.float32 if device.type == "cpu" and cpu_half_matmuls_slow() else torch.bfloat16
 
 
-def time_variants(
-    model: Any,
-    x: dict[str, Any],
-    device: torch.device,
-    variants: list[tuple[str, dict[str, Any]]],
-    rounds: int,
-    attentions: Callable[[Any], list[Any]],
-    desc: str,
-    progress: bool,
-) -> tuple[dict[str, list[float]], dict[str, list[float]], list[dict[str, Any]]]:
-    """``model``'s forward on ``x`` under each variant (``patch(model, precision="exact",
-    **options)``; unpatched for ``{}``), interleaved for ``rounds`` rounds
-    (:func:`~ditops.bench.model_runs.interleaved_forwards`) with ``attentions(model)``
-    probed: the seconds per forward and inside the attentions per variant, and
-    :func:`summarise`'s rows."""
-    from ditops.integrations import patch, unpatch
+def padded_text_mask(text_tokens: int) -> torch.Tensor:
+    """A ``[1, text_tokens]`` attention mask with its last quarter padded (zeros)."""
+    mask = torch.ones(1, text_tokens, dtype=torch.int64)
+    mask[:, text_tokens - text_tokens // 4 :] = 0
+    return mask
 
-    def use(options: dict[str, Any]) -> None:
-        unpatch(model)
-        if options:
-            patch(model, precision="exact", **options)
 
-    outputs, times, probes = interleaved_forwards(
-        model,
-        x,
-        device,
-        variants,
-        use,
-        rounds,
-        lambda m: SparseAttentionProbe(device, attentions(m)),
-        desc=desc,
-        progress=progress,
-        reset=lambda: unpatch(model),
-    )
-    attn = {name: [p.seconds for p in ps] for name, ps in probes.items()}
-    return times, attn, summarise(variants, outputs, times, probes)
+def video_facts(
+    config: dict[str, Any], latent: tuple[int, int, int], text_tokens: int
+) -> dict[str, int]:
+    """What a result says of a latent video (frames, height, width) patched by the config's
+    ``patch_size_t`` and ``patch_size``, and of text whose last quarter is padded."""
+    frames, h, w = latent
+    p, pt = config["patch_size"], config.get("patch_size_t") or 1
+    return {
+        "video_tokens": frames // pt * (h // p) * (w // p),
+        "text_tokens": text_tokens,
+        "padded_text_tokens": text_tokens // 4,
+    }
+
+
+def video_inputs(make_inputs: Callable[..., dict[str, Any]]) -> Callable[..., Any]:
+    """A :class:`~ditops.bench.model_bench.ModelBench`'s ``inputs`` from a ``make_inputs(
+    config, latent, text_tokens, device, dtype)``: its forward kwargs and
+    :func:`video_facts`."""
+
+    def inputs(
+        config: dict[str, Any], device: Any, dtype: Any, latent: Any, text_tokens: int
+    ) -> Any:
+        x = make_inputs(config, latent, text_tokens, device, dtype)
+        return x, video_facts(config, latent, text_tokens)
+
+    return inputs
 
 
 def summarise(
@@ -102,29 +96,28 @@ def summarise(
     return summary
 
 
-def _f(v: float | None, spec: str) -> str:
-    return format(v, spec) if v is not None else "-".rjust(int(spec.split(".")[0]))
-
-
-def print_rows(summary: list[dict[str, Any]], out: Any) -> None:
-    """The table of :func:`summarise`'s rows, and what its columns are."""
-    print(
-        f"{'variant':<12} {'s/forward':>9} {'attn s':>7} {'x fwd':>6} {'x attn':>6} "
-        f"{'asked':>5} {'run':>5} {'bitwise':>7} {'max rel':>8} {'cosine':>9} {'PSNR dB':>7}",
-        file=out,
-    )
-    for s in summary:
-        print(
-            f"{s['variant']:<12} {s['median_seconds']:>9.3f} "
-            f"{s['median_attention_seconds']:>7.3f} {s['speedup']:>6.2f} "
-            f"{s['attention_speedup']:>6.2f} {_f(s['requested_density'], '5.2f')} "
-            f"{_f(s['realised_density'], '5.3f')} {str(s['bitwise_equal']):>7} "
-            f"{s['max_rel']:>8.1e} {s['cosine']:>9.6f} {s['psnr_db']:>7.1f}",
-            file=out,
-        )
-    print(
-        "(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
-        "and of the attention modules to unpatched; asked/run: block density of the video "
-        "queries' maps, forced blocks included; drift against the unpatched output)",
-        file=out,
-    )
+#: Unpatched, exact, block-sparse at each of :data:`SPARSITIES` and the permuted mode at
+#: :data:`PERMUTED_SPARSITY`; bf16 (fp32 on a CPU whose bf16 matmuls are a slow fallback).
+SPARSE = VariantKind(
+    variants=lambda block_size: sparse_variants(block_size, SPARSITIES, PERMUTED_SPARSITY),
+    probe=SparseAttentionProbe,
+    summarise=summarise,
+    columns=(
+        ("variant", "variant", "<12"),
+        ("s/forward", "median_seconds", ">9.3f"),
+        ("attn s", "median_attention_seconds", ">7.3f"),
+        ("x fwd", "speedup", ">6.2f"),
+        ("x attn", "attention_speedup", ">6.2f"),
+        ("asked", "requested_density", ">5.2f"),
+        ("run", "realised_density", ">5.3f"),
+        ("bitwise", "bitwise_equal", ">7"),
+        ("max rel", "max_rel", ">8.1e"),
+        ("cosine", "cosine", ">9.6f"),
+        ("PSNR dB", "psnr_db", ">7.1f"),
+    ),
+    note="(medians over rounds; x fwd / x attn: median per-round ratios of the whole forward "
+    "and of the attention modules to unpatched; asked/run: block density of the video "
+    "queries' maps, forced blocks included; drift against the unpatched output)",
+    dtype=default_dtype,
+    block_size=True,
+)

@@ -43,11 +43,20 @@ def tiny_wan_transformer(layers: int = 2, heads: int = 2, head_dim: int = 32) ->
     from diffusers import WanTransformer3DModel
 
     return WanTransformer3DModel(
-        patch_size=(1, 2, 2), num_attention_heads=heads, attention_head_dim=head_dim,
-        in_channels=16, out_channels=16, text_dim=TEXT_DIM, freq_dim=32,
-        ffn_dim=4 * heads * head_dim, num_layers=layers, cross_attn_norm=True,
-        qk_norm="rms_norm_across_heads", eps=1e-6, rope_max_seq_len=64,
-    ).eval()  # fmt: skip
+        patch_size=(1, 2, 2),
+        num_attention_heads=heads,
+        attention_head_dim=head_dim,
+        in_channels=16,
+        out_channels=16,
+        text_dim=TEXT_DIM,
+        freq_dim=32,
+        ffn_dim=4 * heads * head_dim,
+        num_layers=layers,
+        cross_attn_norm=True,
+        qk_norm="rms_norm_across_heads",
+        eps=1e-6,
+        rope_max_seq_len=64,
+    ).eval()
 
 
 def _text_parts() -> tuple[Any, Any]:
@@ -56,10 +65,17 @@ def _text_parts() -> tuple[Any, Any]:
 
     encoder = UMT5EncoderModel(
         UMT5Config(
-            vocab_size=len(WORDS), d_model=TEXT_DIM, d_kv=8, d_ff=64, num_layers=2, num_heads=4,
-            relative_attention_num_buckets=8, pad_token_id=0, eos_token_id=1,
+            vocab_size=len(WORDS),
+            d_model=TEXT_DIM,
+            d_kv=8,
+            d_ff=64,
+            num_layers=2,
+            num_heads=4,
+            relative_attention_num_buckets=8,
+            pad_token_id=0,
+            eos_token_id=1,
         )
-    ).eval()  # fmt: skip
+    ).eval()
     words = Tokenizer(models.WordLevel({w: i for i, w in enumerate(WORDS)}, unk_token="<unk>"))
     words.pre_tokenizer = pre_tokenizers.Whitespace()
     tokenizer = PreTrainedTokenizerFast(
@@ -81,9 +97,12 @@ def tiny_wan_pipeline(
     torch.manual_seed(0)
     transformer = cast_like_from_pretrained(tiny_wan_transformer(layers, heads, head_dim), dtype)
     vae = AutoencoderKLWan(
-        base_dim=16, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+        base_dim=16,
+        z_dim=16,
+        dim_mult=[1, 1, 1, 1],
+        num_res_blocks=1,
         temperal_downsample=[False, True, True],
-    ).eval()  # fmt: skip
+    ).eval()
     encoder, tokenizer = _text_parts()
     scheduler = UniPCMultistepScheduler(
         prediction_type="flow_prediction", use_flow_sigmas=True, flow_shift=3.0

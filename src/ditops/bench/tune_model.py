@@ -63,37 +63,50 @@ def tune_wan(
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``ditops tune``'s options, each with its help text."""
     parser.add_argument(
-        "model_name", nargs="?", choices=("wan",), default="wan",
+        "model_name",
+        nargs="?",
+        choices=("wan",),
+        default="wan",
         help="the model whose shape classes are timed (wan: the bench Wan model)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--size", choices=("small", "full"), default="small",
+        "--size",
+        choices=("small", "full"),
+        default="small",
         help="small: the bench's small latents (minutes on 2 CPU cores); full: Wan 480p",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--precision", choices=("exact", "fast", "both"), default="both",
+        "--precision",
+        choices=("exact", "fast", "both"),
+        default="both",
         help="the precision(s) to time in (default both: each is a class of its own)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--dtype", choices=("auto", "bfloat16", "float32"), default="auto",
+        "--dtype",
+        choices=("auto", "bfloat16", "float32"),
+        default="auto",
         help="the model's dtype (auto: bfloat16, or float32 on CPUs without AVX-512)",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--device", default=None, help="torch device (default: cuda if available, else cpu)"
     )
     parser.add_argument(
-        "--model", default=None, metavar="PATH",
+        "--model",
+        default=None,
+        metavar="PATH",
         help="a local diffusers Wan checkpoint instead of the built-in small config",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--force", action="store_true",
+        "--force",
+        action="store_true",
         help="time every class again, even those recorded (they are replaced in the file)",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--clear", action="store_true",
+        "--clear",
+        action="store_true",
         help="remove this machine's cache file (and files its older ditops/torch wrote), "
         "time nothing",
-    )  # fmt: skip
+    )
 
 
 def clear() -> int:

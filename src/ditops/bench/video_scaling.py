@@ -100,7 +100,7 @@ FAMILIES: dict[str, Family] = {
             "num_single_layers": 0,
             **o,
         },
-        build=lambda device, dtype, config: hv.build_model(device, dtype, **config),
+        build=hv.BENCH.build,
         inputs=hv.make_inputs,
         attention=hv.attentions,
         patch=lambda config: (config["patch_size"], config["patch_size"]),
@@ -124,7 +124,7 @@ FAMILIES: dict[str, Family] = {
         model="LTX-Video geometry (32 heads of 64), 1 block; attn: self-attention (attn1) "
         "only, cross-attention in the rest",
         config=lambda o: {**ltx.BASE_CONFIG, **ltx.SIZES["full"]["config"], "num_layers": 1, **o},
-        build=lambda device, dtype, config: ltx.build_model(device, dtype, **config),
+        build=ltx.BENCH.build,
         inputs=ltx.make_inputs,
         attention=ltx.self_attentions,
         patch=lambda config: (config["patch_size"], config["patch_size"]),
@@ -136,7 +136,7 @@ FAMILIES: dict[str, Family] = {
     "cogvideox": Family(
         model="CogVideoX-5B geometry (1.0 layout), 1 block",
         config=lambda o: {**cv.BASE_CONFIG, **cv.SIZES["small"]["config"], **o},
-        build=lambda device, dtype, config: cv.build_model(device, dtype, **config),
+        build=cv.BENCH.build,
         inputs=lambda config, latent, text, device, dtype: cv.make_inputs(
             {**config, "max_text_seq_length": text}, latent, device, dtype
         ),

@@ -23,6 +23,7 @@ class Declared(Protocol):
     op_name: ClassVar[str]
     non_finite_inputs: ClassVar[tuple[int | str, ...]]
     meaning_competes: ClassVar[bool]
+    small_calls_run_meaning: ClassVar[bool]
     #: Its paths by method name, in declaration order, and per device kind.
     declared_paths: ClassVar[dict[str, PathSpec]]
     paths_by_kind: ClassVar[dict[str, tuple[PathSpec, ...]]]

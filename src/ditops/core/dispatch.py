@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 from ditops import launch
-from ditops.core import tune
+from ditops.core import tune, tune_launch
 from ditops.core.calls import OpCall
 from ditops.core.declared import Declared
 from ditops.core.fallback import run_meaning, run_path
 from ditops.core.paths import NATIVE, Decision, PathReport
-from ditops.core.plan import call_reasons, plan
+from ditops.core.plan import call_reasons, plan, small_call, small_why
 from ditops.core.traced import run_traced
 from ditops.platform import device_kind
 from ditops.tracing import traced
@@ -34,12 +34,15 @@ def run(op: Declared, call: OpCall, precision: str | None = None) -> Any:
         early = op.answer_without_paths(call)
         if early is not None:
             return early
-    tensors = call.tensors()  # once: the device kind and every path's checks read them
-    kind = device_kind(tensors[0]) if tensors else "cpu"
+    first = call.first_tensor()  # its device decides, as explain() reads it
+    kind = device_kind(first) if first is not None else "cpu"
     precision = precision or op.precision
     if traced():
         return run_traced(op, kind, call, precision)
     chosen = plan(type(op), kind, precision)
+    if chosen.small_meaning and small_call(chosen, first):
+        return run_meaning(op, call)
+    tensors = call.tensors()  # once: every path's checks read them
     if chosen.competitors:  # DITOPS_TUNE: the class's measured winner, or time them now
         out = tune.dispatch(op, kind, chosen, call, tensors)
         if out is not tune.STATIC:
@@ -68,6 +71,8 @@ def explain(op: Declared, call: OpCall, precision: str | None = None) -> Decisio
         candidates.append(PathReport(report.path, reasons, report.accepts))
         if not reasons and chosen == NATIVE:
             chosen = report.path
+    if first is not None and small_call(chosen_plan, first):
+        return Decision(base.op, kind, base.precision, NATIVE, candidates, small_why(first))
     tuned = tune.recorded(op, kind, chosen_plan, call) if chosen_plan.competitors else None
     if tuned is not None and (
         tuned.winner == NATIVE or any(c.path == tuned.winner and c.usable for c in candidates)
@@ -84,8 +89,8 @@ def tuned_launch(
     run: Callable[[dict[str, Any]], None],
 ) -> None:
     """A kernel's launch (:mod:`ditops.launch`) with the tuned config for its device's kind
-    (:func:`ditops.core.tune.launch_config`)."""
-    tune.launch_config(kernel, device_kind(device), shape, configs, run)
+    (:func:`ditops.core.tune_launch.launch_config`)."""
+    tune_launch.launch_config(kernel, device_kind(device), shape, configs, run)
 
 
 launch.tuner = tuned_launch  # kernels reach the tuner through ditops.launch

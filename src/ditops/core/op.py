@@ -81,6 +81,11 @@ class CustomOp(nn.Module):
     #: Whether the meaning competes when paths are timed (:mod:`ditops.core.tune`); an op
     #: whose meaning is a memory-bounded oracle, never a contender, says False.
     meaning_competes: ClassVar[bool] = True
+    #: Whether a small CPU call (:data:`ditops.core.plan.SMALL_CALL_ELEMENTS`) runs the
+    #: meaning, which costs less there than a path's call; an op whose path's result is
+    #: a choice (a mask estimate's near-ties) says False, as does one whose meaning
+    #: does not compete.
+    small_calls_run_meaning: ClassVar[bool] = True
     _precision: str | None = None
     #: Read by the dispatcher: hooks left as the base defines them are not called per
     #: call, and an op without a record type gets the arguments as given.

@@ -173,7 +173,8 @@ class Decision:
     chosen: str
     candidates: list[PathReport]
     #: Set when a measured choice (DITOPS_TUNE) picked ``chosen`` for this call's shape
-    #: class: the times that chose it.
+    #: class: the times that chose it; or when the call is small enough for the meaning
+    #: (:data:`ditops.core.plan.SMALL_CALL_ELEMENTS`): why.
     tuned: str = ""
 
     def as_dict(self) -> dict[str, Any]:

@@ -30,6 +30,16 @@ class BackendUnavailableError(RuntimeError):
     """Strict mode: a fast path could not be used. The message says why and what to install."""
 
 
+#: CPU calls whose first tensor has at most this many elements run the meaning
+#: (:attr:`Plan.small_meaning`), a static rule by size like the LayerNorm kernel's short
+#: rows: below it the blocked kernels save nothing (their fp32 temporaries fit in L2
+#: either way) and a path's per-call work (the tuner's class lookup, scratch, the walk
+#: over blocks) costs more than the plain torch expression
+#: (``benchmarks/cpu/probes/small_shapes.py``). The meaning is within every precision's
+#: contract (``fast`` gets the meaning's bits there); it decides the same whatever
+#: ``DITOPS_TUNE`` says, so tuning never changes a result.
+SMALL_CALL_ELEMENTS = 32768
+
 #: The reason a CPU call with NaN/inf in a guarded input runs the meaning.
 NON_FINITE_REASON = "an input holds NaN or inf: the meaning runs, so they propagate as in it"
 
@@ -43,6 +53,9 @@ class Plan:
     decision: Decision
     #: What DITOPS_TUNE times against each other (paths, then the meaning), when it may.
     competitors: tuple[str, ...] = ()
+    #: Small calls (:data:`SMALL_CALL_ELEMENTS`) run the meaning: on CPU, where a path
+    #: could run and the meaning competes (not a memory-bound oracle's).
+    small_meaning: bool = False
 
 
 #: op class -> (kind, precision, settings, state version) -> its plan.
@@ -103,7 +116,22 @@ def make_plan(
     # Only paths giving the same bits compete: timing never changes a result.
     same = same_bits.competitors(usable, precision, cls.meaning_competes)
     competitors = same if cfg.tune != "off" else ()
-    return Plan(routes, precision == "exact", decision, competitors)
+    small = kind == "cpu" and bool(usable) and cls.meaning_competes and cls.small_calls_run_meaning
+    return Plan(routes, precision == "exact", decision, competitors, small)
+
+
+def small_call(chosen: Plan, first: torch.Tensor | None) -> bool:
+    """Whether a call whose first tensor is ``first`` runs the meaning by its size
+    (:attr:`Plan.small_meaning`)."""
+    return chosen.small_meaning and first is not None and first.numel() <= SMALL_CALL_ELEMENTS
+
+
+def small_why(first: torch.Tensor) -> str:
+    """Why a small call runs the meaning, in words (explanations)."""
+    return (
+        f"a small call ({first.numel()} elements <= {SMALL_CALL_ELEMENTS}): the meaning "
+        "runs: it costs less than a path's call there (a static rule by size)"
+    )
 
 
 def static_reasons(

@@ -48,7 +48,7 @@ import torch
 from ditops import config
 from ditops.core import registry, same_bits, tune_store
 from ditops.core.tune_cache import CPU_FLAGS, Choice, cache_file, cpu_flags, fingerprint
-from ditops.core.tune_devices import device_for_kind, sync_device
+from ditops.core.tune_devices import sync_device
 
 __all__ = ["CPU_FLAGS", "Choice", "cache_file", "cpu_flags", "fingerprint"]
 from ditops.core.calls import OpCall
@@ -97,7 +97,8 @@ def deciding() -> bool:
     return getattr(_deciding, "on", False)
 
 
-def _bucket(n: int) -> int:
+def bucket(n: int) -> int:
+    """A dim's shape-class bucket: its power of two, rounded."""
     return round(math.log2(n)) if n > 0 else -1
 
 
@@ -107,7 +108,7 @@ def shape_class(tensors: list[torch.Tensor]) -> str:
     text = _table.classes.get(raw)
     if text is None:
         text = " ".join(
-            f"{dtype_name(dt)}[{','.join(str(_bucket(d)) for d in shape)}]" for dt, shape in raw
+            f"{dtype_name(dt)}[{','.join(str(bucket(d)) for d in shape)}]" for dt, shape in raw
         )
         if len(_table.classes) < 4096:  # bounded: odd shapes do not grow it forever
             _table.classes[raw] = text
@@ -266,15 +267,23 @@ def _dispatch(
         return _run_winner(op, kind, plan, call, tensors, choice.winner)
     if cfg.tune != "on":
         return STATIC
+    with claimed(key) as mine:
+        return _measure(op, kind, plan, call, tensors, key, cfg, static) if mine else STATIC
+
+
+@contextlib.contextmanager
+def claimed(key: str) -> Iterator[bool]:
+    """Whether this thread is the one to time class ``key`` (no other thread is timing
+    it); the class stays claimed until the end of the block."""
     with _table.lock:
-        if key in _table.busy:
-            return STATIC
+        mine = key not in _table.busy
         _table.busy.add(key)
     try:
-        return _measure(op, kind, plan, call, tensors, key, cfg, static)
+        yield mine
     finally:
-        with _table.lock:
-            _table.busy.discard(key)
+        if mine:
+            with _table.lock:
+                _table.busy.discard(key)
 
 
 def _heavier_then(key: str, choice: Choice) -> bool:
@@ -331,12 +340,12 @@ def _measure(
         except Exception as exc:  # noqa: BLE001 - handled as the dispatcher handles it
             return after_failure(op, kind, static, exc, call)
         result = mended(op, static, kind, call, result)
-    best = _race(tensors[0].device if tensors else None, key, runs, warmed=1)
-    _decide(key, runs[0][0], plan.competitors, best, cfg)
+    best = race(tensors[0].device if tensors else None, key, runs, warmed=1)
+    decide(key, runs[0][0], plan.competitors, best, cfg)
     return result
 
 
-def _race(
+def race(
     device: torch.device | None, key: str, runs: list[tuple[str, Callable[[], Any]]], warmed: int
 ) -> dict[str, float]:
     """Best seconds of each run over interleaved rounds (alternating order; see
@@ -378,7 +387,7 @@ def _settling(best: float, took: float) -> bool:
     return best < math.inf and best - took > max(SETTLE_GAIN * took, SETTLE_MIN_S)
 
 
-def _decide(
+def decide(
     key: str, static: str, candidates: tuple[str, ...], best: dict[str, float], cfg: config.Config
 ) -> None:
     """Record the fastest (the static choice unless beaten by :data:`KEEP_MARGIN`)."""
@@ -391,61 +400,6 @@ def _decide(
         _table.choices[key] = choice
     logger.info("ditops tuning %s: %s (%s)", key, winner, choice.why())
     _save(_file(cfg))
-
-
-# --- kernel launch configs (Triton) --------------------------------------------------------
-
-
-def _config_name(cfg: dict[str, Any]) -> str:
-    return ",".join(f"{k}={v}" for k, v in sorted(cfg.items()))
-
-
-def launch_config(
-    kernel: str,
-    kind: str,
-    shape: tuple[int, ...],
-    configs: list[dict[str, Any]],
-    launch: Callable[[dict[str, Any]], None],
-) -> None:
-    """Launch a kernel with the fastest of ``configs`` for its shape class (``shape``
-    bucketed as tensors' dims are), as ``triton.autotune`` does, but keyed on buckets and
-    kept in the same cache file, under the same switch.
-
-    ``configs[0]`` is the static choice (``DITOPS_TUNE=off``, or ``cache`` without a
-    record). Every config must give the static config's bits (kernels pass
-    ``same_bits=True`` to :func:`ditops.launch.launch`; others never reach here) and
-    ``launch(cfg)`` must be safe to repeat (outputs only written).
-    When timing, each config warms up and runs :data:`ROUNDS` timed rounds; the static
-    config runs last, so the timed call's outputs are the ones ``off`` would give.
-    """
-    cfg = config.get()
-    if cfg.tune == "off" or len(configs) < 2 or same_bits.deterministic():
-        launch(configs[0])
-        return
-    names = tuple(_config_name(c) for c in configs)
-    key = f"{kernel}/{kind}/config/[{','.join(str(_bucket(d)) for d in shape)}]"
-    choice = lookup(key, cfg)
-    if choice is not None and choice.winner in names:
-        launch(configs[names.index(choice.winner)])
-        return
-    if cfg.tune != "on":
-        launch(configs[0])
-        return
-    with _table.lock:
-        busy = key in _table.busy
-        _table.busy.add(key)
-    if busy:
-        launch(configs[0])
-        return
-    try:
-        runs = [(n, functools.partial(launch, c)) for n, c in zip(names, configs, strict=True)]
-        # the static config warms up last
-        best = _race(device_for_kind(kind), key, runs[::-1], warmed=0)
-        launch(configs[0])  # ... and runs last: its outputs are the call's
-        _decide(key, names[0], names, best, cfg)
-    finally:
-        with _table.lock:
-            _table.busy.discard(key)
 
 
 registry.on_reset(forget)

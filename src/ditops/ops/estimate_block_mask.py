@@ -89,6 +89,9 @@ def triton_estimate_reasons(c: EstimateCall) -> list[str]:
 class EstimateBlockMask(CustomOp):
     """Estimate a block mask from q and k. Call as ``estimate_block_mask(q, k, ...)``."""
 
+    #: Where near-ties break is the path's choice: a small call keeps the path's mask.
+    small_calls_run_meaning = False
+
     def prepare(  # type: ignore[override]
         self,
         q: torch.Tensor,

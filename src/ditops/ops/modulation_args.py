@@ -249,9 +249,13 @@ def grouped_view(
     ``x.unflatten(1, (F, -1)) * scale``); elementwise ops give the same bits whatever the
     view. Scalars and ``[C]`` are returned unchanged.
     """
+    v = mod.value
+    if groups == 1 and (not isinstance(v, torch.Tensor) or v.dim() in (0, 1, 3)):
+        # One group: ``[B, L, C]`` against ``[C]`` or ``[B, 1, C]`` broadcasts as the
+        # grouped view does (same operands, same bits), without the views' cost per call.
+        return x3, v
     B, L, C = x3.shape
     x4 = x3.reshape(B, groups, L // groups if groups else 0, C)
-    v = mod.value
     if not isinstance(v, torch.Tensor) or v.dim() <= 1:
         return x4, v
     rows = modulation_rows(mod, x3)

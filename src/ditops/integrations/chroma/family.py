@@ -50,43 +50,17 @@ from __future__ import annotations
 from torch import nn
 
 from ditops.integrations.chroma.forwards import (
-    DOUBLE_BYPASSES,
     NORM_OUT_BYPASSES,
-    SINGLE_BYPASSES,
     double_block_forward,
     norm_out_forward,
     single_block_forward,
 )
 from ditops.integrations.flux.family import qk_norm_problems
 from ditops.integrations.flux.forwards import FusedFluxAttnProcessor
-from ditops.integrations.shared.adaln_zero import AdaLNOps
+from ditops.integrations.shared.adaln_zero import DOUBLE_BYPASSES, SINGLE_BYPASSES, AdaLNOps
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-)
-from ditops.integrations.shared.fingerprints import known
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the blocks and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import embeddings
-    from diffusers.models.transformers import transformer_chroma as tc
-
-    return {
-        "ChromaAdaLayerNormZeroPruned.forward": (
-            tc.ChromaAdaLayerNormZeroPruned.forward, known("ChromaAdaLayerNormZeroPruned.forward")
-        ),
-        "ChromaAdaLayerNormZeroSinglePruned.forward": (
-            tc.ChromaAdaLayerNormZeroSinglePruned.forward,
-            known("ChromaAdaLayerNormZeroSinglePruned.forward"),
-        ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _pruned_problem(module: nn.Module, name: str, cls_name: str) -> str | None:
@@ -157,5 +131,12 @@ SPEC = FamilySpec(
         known("FluxAttnProcessor.__call__"),
         keep_others=True,  # IP-Adapter's (or the user's) stay; the blocks are fused
     ),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied(
+            "diffusers.models.transformers.transformer_chroma",
+            "ChromaAdaLayerNormZeroPruned.forward",
+            "ChromaAdaLayerNormZeroSinglePruned.forward",
+        ),
+        **relied("diffusers.models.embeddings", "apply_rotary_emb"),
+    },
 )  # fmt: skip

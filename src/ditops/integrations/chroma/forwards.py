@@ -16,16 +16,6 @@ from torch import nn
 from ditops.integrations.flux.forwards import clip_fp16, double_block_tail
 from ditops.integrations.shared.adaln_zero import AdaLNOps
 
-#: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
-DOUBLE_BYPASSES = (
-    "norm1",
-    "norm1.norm",
-    "norm1_context",
-    "norm1_context.norm",
-    "norm2",
-    "norm2_context",
-)
-SINGLE_BYPASSES = ("norm", "norm.norm")
 NORM_OUT_BYPASSES = ("norm",)
 
 

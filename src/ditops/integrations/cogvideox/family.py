@@ -74,35 +74,8 @@ from ditops.integrations.cogvideox.forwards import (
     block_forward,
     norm_out_forward,
 )
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
-from ditops.integrations.shared.fingerprints import known
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the blocks and the processor whose arithmetic the
-    patch reproduces (or, for the patch embedding, whose token order the sparse path's
-    dense first frame relies on), with the fingerprints of the versions checked."""
-    from diffusers.models import embeddings, normalization
-
-    return {
-        "CogVideoXLayerNormZero.forward": (
-            normalization.CogVideoXLayerNormZero.forward, known("CogVideoXLayerNormZero.forward")
-        ),
-        "AdaLayerNorm.forward": (
-            normalization.AdaLayerNorm.forward, known("AdaLayerNorm.forward")
-        ),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-        "CogVideoXPatchEmbed.forward": (
-            embeddings.CogVideoXPatchEmbed.forward, known("CogVideoXPatchEmbed.forward")
-        ),
-    }  # fmt: skip
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Sparse
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _layer_norm_problem(norm: object, name: str) -> str | None:
@@ -183,5 +156,10 @@ SPEC = FamilySpec(
     ),
     sparse=Sparse(_patch_size, context_parallel=False),  # its processor calls SDPA itself
     plain_model=_without_rotary,
-    relied_on=_relied_on,
+    # the patch embedding: the token order the sparse path's dense first frame relies on
+    relied_on=lambda: {
+        **relied("diffusers.models.normalization", "CogVideoXLayerNormZero.forward",
+                 "AdaLayerNorm.forward"),
+        **relied("diffusers.models.embeddings", "apply_rotary_emb", "CogVideoXPatchEmbed.forward"),
+    },
 )  # fmt: skip

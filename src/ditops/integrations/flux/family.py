@@ -52,38 +52,21 @@ from __future__ import annotations
 from torch import nn
 
 from ditops.integrations.flux.forwards import (
-    DOUBLE_BYPASSES,
-    SINGLE_BYPASSES,
     FusedFluxAttnProcessor,
     double_block_forward,
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
+    DOUBLE_BYPASSES,
+    SINGLE_BYPASSES,
     AdaLNOps,
     norm_out_blocks,
     relied_on_norms,
     zero_norm_problem,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-)
-from ditops.integrations.shared.fingerprints import known
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the blocks and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import embeddings
-
-    return {
-        **relied_on_norms(),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def qk_norm_problems(attn: nn.Module, where: str) -> list[str]:
@@ -153,5 +136,7 @@ SPEC = FamilySpec(
         known("FluxAttnProcessor.__call__"),
         keep_others=True,  # IP-Adapter's (or the user's) stays; the blocks are fused
     ),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied_on_norms(), **relied("diffusers.models.embeddings", "apply_rotary_emb")
+    },
 )  # fmt: skip

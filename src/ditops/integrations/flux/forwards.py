@@ -20,17 +20,6 @@ from ditops.integrations.shared.processors import DenseProcessor
 #: FLUX clips fp16 activations to the largest finite fp16 after some residual adds.
 FP16_MAX = 65504.0
 
-#: What each fused forward computes without calling it (see :class:`~.guard.Bypass`).
-DOUBLE_BYPASSES = (
-    "norm1",
-    "norm1.norm",
-    "norm1_context",
-    "norm1_context.norm",
-    "norm2",
-    "norm2_context",
-)
-SINGLE_BYPASSES = ("norm", "norm.norm")
-
 
 def prologue_bypass(attn: nn.Module) -> Bypass:
     """The q/k norms a fused prologue computes without calling them (FLUX.1 and FLUX.2)."""
@@ -128,7 +117,8 @@ def double_block_forward(
     """``FluxTransformerBlock.forward`` on ditops' ops (see :mod:`ditops.integrations.flux.family`).
 
     Installed through :func:`~ditops.integrations.shared.guard.install_guarded`: it runs only
-    while nothing is attached to the modules it bypasses (:data:`DOUBLE_BYPASSES`).
+    while nothing is attached to the modules it bypasses
+    (:data:`~ditops.integrations.shared.adaln_zero.DOUBLE_BYPASSES`).
     """
     n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
     c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)

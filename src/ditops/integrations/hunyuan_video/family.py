@@ -54,12 +54,12 @@ from ditops.integrations.hunyuan_video.attention import (
     attention_problems,
 )
 from ditops.integrations.hunyuan_video.forwards import (
-    DOUBLE_BYPASSES,
-    SINGLE_BYPASSES,
     double_block_forward,
     single_block_forward,
 )
 from ditops.integrations.shared.adaln_zero import (
+    DOUBLE_BYPASSES,
+    SINGLE_BYPASSES,
     AdaLNOps,
     norm_out_forward,
     norm_out_problems,
@@ -67,15 +67,8 @@ from ditops.integrations.shared.adaln_zero import (
     zero_norm_problem,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.guard import forward_wrapper_problem
 
 #: ``HunyuanVideoTransformerBlock.forward`` (HunyuanVideo-1.5's block is the same code).
@@ -90,9 +83,9 @@ def relied_on() -> Relied:
 
     return {
         **relied_on_norms(),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "apply_rotary_emb": (embeddings.apply_rotary_emb, known("apply_rotary_emb")),
-    }  # fmt: skip
+        **relied(normalization, "RMSNorm.forward"),
+        **relied(embeddings, "apply_rotary_emb"),
+    }
 
 
 def _wrapped(block: nn.Module, where: str) -> list[str]:

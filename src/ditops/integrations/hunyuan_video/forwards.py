@@ -13,17 +13,6 @@ from torch import nn
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
 from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
 
-#: What each fused forward computes without calling it (see ``guard.Bypass``).
-DOUBLE_BYPASSES = (
-    "norm1",
-    "norm1.norm",
-    "norm1_context",
-    "norm1_context.norm",
-    "norm2",
-    "norm2_context",
-)
-SINGLE_BYPASSES = ("norm", "norm.norm")
-
 
 def double_block_forward(
     block: nn.Module,
@@ -43,6 +32,26 @@ def double_block_forward(
     ignores the token-replace arguments the model passes every block.
     """
     n, emb = ada_modulate(ops, block.norm1, hidden_states, temb, 6)
+    attn_output, text = joint_attention(
+        block, ops, n, encoder_hidden_states, temb, attention_mask, freqs_cis
+    )
+    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
+    return hidden_states, text_mlp_half(block, ops, encoder_hidden_states, *text)
+
+
+def joint_attention(
+    block: nn.Module,
+    ops: AdaLNOps,
+    n: torch.Tensor,
+    encoder_hidden_states: torch.Tensor,
+    temb: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    freqs_cis: tuple[torch.Tensor, torch.Tensor] | None,
+) -> tuple[torch.Tensor, tuple[torch.Tensor, tuple[torch.Tensor, ...]]]:
+    """A double-stream block's text-stream norm and its joint attention with the video's
+    normed ``n``: the video's attention output, and the text's with its modulation (for
+    :func:`text_mlp_half`). The token-replace block's video stream differs; its text
+    stream is this one."""
     c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
     attn_output, context_attn_output = block.attn(
         hidden_states=n,
@@ -50,16 +59,14 @@ def double_block_forward(
         attention_mask=attention_mask,
         image_rotary_emb=freqs_cis,
     )
-    hidden_states = mlp_half(ops, hidden_states, attn_output, emb, block.norm2, block.ff)
-    encoder_hidden_states = mlp_half(
-        ops,
-        encoder_hidden_states,
-        context_attn_output,
-        c_emb,
-        block.norm2_context,
-        block.ff_context,
-    )
-    return hidden_states, encoder_hidden_states
+    return attn_output, (context_attn_output, c_emb)
+
+
+def text_mlp_half(
+    block: nn.Module, ops: AdaLNOps, text: torch.Tensor, attn: torch.Tensor, emb: Any
+) -> torch.Tensor:
+    """The double-stream block's text stream after :func:`joint_attention`."""
+    return mlp_half(ops, text, attn, emb, block.norm2_context, block.ff_context)
 
 
 def single_block_forward(

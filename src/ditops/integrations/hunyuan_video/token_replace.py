@@ -22,8 +22,9 @@ import torch
 from torch import nn
 
 from ditops.integrations.hunyuan_video.attention import single_stream_branches
-from ditops.integrations.shared.adaln_zero import AdaLNOps, ada_modulate, mlp_half
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.hunyuan_video.forwards import joint_attention, text_mlp_half
+from ditops.integrations.shared.adaln_zero import AdaLNOps
+from ditops.integrations.shared.fingerprints import relied
 
 
 def _embs(norm: nn.Module, temb: torch.Tensor, tr_emb: torch.Tensor, chunks: int) -> tuple:
@@ -69,31 +70,32 @@ def token_replace_double_forward(
     tr_shift, tr_scale, tr_gate, tr_shift_mlp, tr_scale_mlp, tr_gate_mlp = tr
     n0 = num_tokens
     eps1 = block.norm1.norm.eps
-    n = _split(ops.modulate, n0, (hidden_states,),
-               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
-               eps1)  # fmt: skip
-    c_n, c_emb = ada_modulate(ops, block.norm1_context, encoder_hidden_states, temb, 6)
-    attn_output, context_attn_output = block.attn(
-        hidden_states=n,
-        encoder_hidden_states=c_n,
-        attention_mask=attention_mask,
-        image_rotary_emb=freqs_cis,
+    n = _split(
+        ops.modulate,
+        n0,
+        (hidden_states,),
+        ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+        eps1,
+    )
+    attn_output, text = joint_attention(
+        block, ops, n, encoder_hidden_states, temb, attention_mask, freqs_cis
     )
     n, hidden_states = _split(
-        ops.residual_modulate, n0, (hidden_states, attn_output),
-        ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),
-         (tr_scale_mlp[:, None], scale_mlp[:, None]),
-         (tr_shift_mlp[:, None], shift_mlp[:, None])),
+        ops.residual_modulate,
+        n0,
+        (hidden_states, attn_output),
+        (
+            (tr_gate.unsqueeze(1), gate.unsqueeze(1)),
+            (tr_scale_mlp[:, None], scale_mlp[:, None]),
+            (tr_shift_mlp[:, None], shift_mlp[:, None]),
+        ),
         block.norm2.eps,
-    )  # fmt: skip
+    )
     ff = block.ff(n)
-    hidden_states = _split(ops.residual, n0, (hidden_states, ff),
-                           ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),))  # fmt: skip
-    encoder_hidden_states = mlp_half(
-        ops, encoder_hidden_states, context_attn_output, c_emb, block.norm2_context,
-        block.ff_context,
-    )  # fmt: skip
-    return hidden_states, encoder_hidden_states
+    hidden_states = _split(
+        ops.residual, n0, (hidden_states, ff), ((tr_gate_mlp.unsqueeze(1), gate_mlp.unsqueeze(1)),)
+    )
+    return hidden_states, text_mlp_half(block, ops, encoder_hidden_states, *text)
 
 
 def token_replace_single_forward(
@@ -113,12 +115,17 @@ def token_replace_single_forward(
     (shift, scale, gate), (tr_shift, tr_scale, tr_gate) = _embs(
         block.norm, temb, token_replace_emb, 3
     )
-    n = _split(ops.modulate, num_tokens, (residual,),
-               ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
-               block.norm.norm.eps)  # fmt: skip
+    n = _split(
+        ops.modulate,
+        num_tokens,
+        (residual,),
+        ((tr_scale[:, None], scale[:, None]), (tr_shift[:, None], shift[:, None])),
+        block.norm.norm.eps,
+    )
     out = single_stream_branches(block, n, text, attention_mask, image_rotary_emb)
-    hidden_states = _split(ops.residual, num_tokens, (residual, out),
-                           ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),))  # fmt: skip
+    hidden_states = _split(
+        ops.residual, num_tokens, (residual, out), ((tr_gate.unsqueeze(1), gate.unsqueeze(1)),)
+    )
     return hidden_states[:, :-text], hidden_states[:, -text:]
 
 
@@ -127,16 +134,11 @@ def relied_on() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     checked against (the blocks' own forwards are the family's block kinds)."""
     from diffusers.models.transformers import transformer_hunyuan_video as hv
 
-    return {
-        "HunyuanVideoTokenReplaceAdaLayerNormZero.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZero.forward,
-            known("HunyuanVideoTokenReplaceAdaLayerNormZero.forward"),
-        ),
-        "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward": (
-            hv.HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward,
-            known("HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward"),
-        ),
-    }  # fmt: skip
+    return relied(
+        hv,
+        "HunyuanVideoTokenReplaceAdaLayerNormZero.forward",
+        "HunyuanVideoTokenReplaceAdaLayerNormZeroSingle.forward",
+    )
 
 
 def norm_problems(block: nn.Module, where: str, double: bool) -> list[str]:

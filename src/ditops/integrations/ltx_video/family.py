@@ -64,24 +64,9 @@ from ditops.integrations.ltx_video.forwards import (
     LTXSelfAttnProcessor,
     block_forward,
 )
-from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Sparse
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.video_sparse import grid_recorder
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the block and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import normalization
-    from diffusers.models.transformers import transformer_ltx as tl
-
-    return {
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "transformer_ltx.apply_rotary_emb": (
-            tl.apply_rotary_emb, known("transformer_ltx.apply_rotary_emb")
-        ),
-        "LTXAttention.forward": (tl.LTXAttention.forward, known("LTXAttention.forward")),
-    }  # fmt: skip
 
 
 def norm_problems(block: nn.Module, names: tuple[str, ...]) -> list[str]:
@@ -150,5 +135,10 @@ SPEC = FamilySpec(
     ),
     # The grid and the step (counted from the timestep, by name) from the call's arguments.
     sparse=Sparse(patch_size, count_steps=False, recorder=grid_recorder),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied("diffusers.models.normalization", "RMSNorm.forward"),
+        **relied("diffusers.models.transformers.transformer_ltx", "apply_rotary_emb",
+                 label="transformer_ltx.{}"),
+        **relied("diffusers.models.transformers.transformer_ltx", "LTXAttention.forward"),
+    },
 )  # fmt: skip

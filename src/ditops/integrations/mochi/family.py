@@ -63,40 +63,9 @@ from ditops.integrations.mochi.forwards import (
     FusedMochiAttnProcessor,
     block_forward,
 )
-from ditops.integrations.shared.adaln_zero import (
-    AdaLNOps,
-    norm_out_blocks,
-)
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
-from ditops.integrations.shared.fingerprints import known
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the block and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import normalization as n
-    from diffusers.models.transformers import transformer_mochi as tm
-
-    return {
-        "MochiRMSNormZero.forward": (
-            tm.MochiRMSNormZero.forward, known("MochiRMSNormZero.forward")
-        ),
-        "MochiModulatedRMSNorm.forward": (
-            tm.MochiModulatedRMSNorm.forward, known("MochiModulatedRMSNorm.forward")
-        ),
-        "MochiLayerNormContinuous.forward": (
-            tm.MochiLayerNormContinuous.forward, known("MochiLayerNormContinuous.forward")
-        ),
-        "RMSNorm.forward": (n.RMSNorm.forward, known("RMSNorm.forward")),
-        "MochiRMSNorm.forward": (n.MochiRMSNorm.forward, known("MochiRMSNorm.forward")),
-    }  # fmt: skip
+from ditops.integrations.shared.adaln_zero import AdaLNOps, norm_out_blocks
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Sparse
+from ditops.integrations.shared.fingerprints import known, relied
 
 
 def _plain_rms(norm: object) -> bool:
@@ -183,5 +152,13 @@ SPEC = FamilySpec(
         keep_others=True,  # a processor of the user's stays; the blocks are fused
     ),
     sparse=Sparse(_patch_size),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied(
+            "diffusers.models.transformers.transformer_mochi",
+            "MochiRMSNormZero.forward",
+            "MochiModulatedRMSNorm.forward",
+            "MochiLayerNormContinuous.forward",
+        ),
+        **relied("diffusers.models.normalization", "RMSNorm.forward", "MochiRMSNorm.forward"),
+    },
 )  # fmt: skip

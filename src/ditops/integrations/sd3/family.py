@@ -71,33 +71,10 @@ from ditops.integrations.shared.adaln_zero import (
     zero_norm_problem,
 )
 from ditops.integrations.shared.base import is_plain_layer_norm
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-)
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused
+from ditops.integrations.shared.fingerprints import known, relied
 
 NORM_OUT_BYPASSES = ("norm",)
-
-
-def _relied_on() -> Relied:
-    """The diffusers functions besides the block and the processor whose arithmetic the
-    patch reproduces, with the fingerprints of the versions checked."""
-    from diffusers.models import attention, normalization
-
-    return {
-        **relied_on_norms(),
-        "SD35AdaLayerNormZeroX.forward": (
-            normalization.SD35AdaLayerNormZeroX.forward, known("SD35AdaLayerNormZeroX.forward")
-        ),
-        "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "_chunked_feed_forward": (
-            attention._chunked_feed_forward, known("_chunked_feed_forward")
-        ),
-    }  # fmt: skip
 
 
 def _norm_problem(block: nn.Module, name: str, cls_name: str) -> str | None:
@@ -178,5 +155,10 @@ SPEC = FamilySpec(
         known("JointAttnProcessor2_0.__call__"),
         keep_others=True,  # IP-Adapter's, PAG's (or the user's) stay; the blocks are fused
     ),
-    relied_on=_relied_on,
+    relied_on=lambda: {
+        **relied_on_norms(),
+        **relied("diffusers.models.normalization", "SD35AdaLayerNormZeroX.forward",
+                 "RMSNorm.forward"),
+        **relied("diffusers.models.attention", "_chunked_feed_forward"),
+    },
 )  # fmt: skip

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ditops.integrations.shared.adaln_zero import (
+    DOUBLE_BYPASSES,
     AdaLNOps,
     ada_emb,
     ada_modulate,
@@ -26,14 +27,7 @@ from ditops.integrations.shared.processors import DenseProcessor
 
 #: What the fused block computes without calling it (see :class:`~.guard.Bypass`); the
 #: last block's ``norm2_context`` is None (``context_pre_only``), and stays watched as such.
-JOINT_BYPASSES = (
-    "norm1",
-    "norm1.norm",
-    "norm1_context",
-    "norm1_context.norm",
-    "norm2",
-    "norm2_context",
-)
+JOINT_BYPASSES = DOUBLE_BYPASSES
 #: The q/k norms the fused prologue computes without calling them (those not None).
 QK_NORMS = ("norm_q", "norm_k", "norm_added_q", "norm_added_k")
 

@@ -20,7 +20,7 @@ from torch import nn
 
 from ditops.integrations.shared.base import is_plain_layer_norm
 from ditops.integrations.shared.family import Blocks, Fused
-from ditops.integrations.shared.fingerprints import known
+from ditops.integrations.shared.fingerprints import known, relied
 from ditops.integrations.shared.ops import QKOps
 from ditops.ops.modulation_model_dtype import (
     AdaLNModulateOp,
@@ -31,6 +31,20 @@ from ditops.ops.qk_norm_rope import RMSNormOp
 
 DIFFUSERS_042 = "diffusers 0.42"
 
+#: What an adaLN-Zero double-stream block's fused forward computes without calling it
+#: (see :class:`~ditops.integrations.shared.guard.Bypass`): FLUX's, Chroma's,
+#: HunyuanVideo's, SD3's joint block's.
+DOUBLE_BYPASSES = (
+    "norm1",
+    "norm1.norm",
+    "norm1_context",
+    "norm1_context.norm",
+    "norm2",
+    "norm2_context",
+)
+#: The same for a single-stream block (FLUX's, Chroma's, HunyuanVideo's).
+SINGLE_BYPASSES = ("norm", "norm.norm")
+
 
 def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     """The adaLN-Zero norms FLUX and HunyuanVideo share, whose arithmetic the fused blocks
@@ -38,17 +52,12 @@ def relied_on_norms() -> dict[str, tuple[Callable[..., Any], dict[str, str]]]:
     ``relied_on``)."""
     from diffusers.models import normalization
 
-    return {
-        "AdaLayerNormZero.forward": (
-            normalization.AdaLayerNormZero.forward, known("AdaLayerNormZero.forward")
-        ),
-        "AdaLayerNormZeroSingle.forward": (
-            normalization.AdaLayerNormZeroSingle.forward, known("AdaLayerNormZeroSingle.forward")
-        ),
-        "AdaLayerNormContinuous.forward": (
-            normalization.AdaLayerNormContinuous.forward, known("AdaLayerNormContinuous.forward")
-        ),
-    }  # fmt: skip
+    return relied(
+        normalization,
+        "AdaLayerNormZero.forward",
+        "AdaLayerNormZeroSingle.forward",
+        "AdaLayerNormContinuous.forward",
+    )
 
 
 @dataclass(eq=False)

@@ -35,6 +35,7 @@ from __future__ import annotations
 import ast
 import functools
 import hashlib
+import importlib
 import inspect
 import textwrap
 from collections.abc import Callable, Iterator, Mapping
@@ -203,6 +204,21 @@ Relied = dict[str, tuple[Callable[..., Any], Mapping[str, Seen]]]
 def known(label: str) -> Mapping[str, Seen]:
     """The fingerprints of ``label`` the table holds (accepted or refused)."""
     return KNOWN[label]
+
+
+def relied(module: Any, *names: str, label: str = "{}") -> Relied:
+    """What a family relies on in ``module`` (a module, or its dotted path, imported now):
+    each dotted ``name`` there (``"RMSNorm.forward"``) with the fingerprints the table holds
+    for it, under ``label.format(name)``."""
+    if isinstance(module, str):
+        module = importlib.import_module(module)
+    out: Relied = {}
+    for name in names:
+        fn = module
+        for part in name.split("."):
+            fn = getattr(fn, part)
+        out[label.format(name)] = (fn, known(label.format(name)))
+    return out
 
 
 def match(fn: Callable[..., Any], table: Mapping[str, Seen]) -> Seen | None:

@@ -53,14 +53,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from ditops.integrations.shared.family import (
-    Attention,
-    Blocks,
-    FamilySpec,
-    Fused,
-    Relied,
-    Sparse,
-)
+from ditops.integrations.shared.family import Attention, Blocks, FamilySpec, Fused, Relied, Sparse
 from ditops.integrations.shared.fingerprint_table import Seen
 from ditops.integrations.shared.fingerprints import known
 from ditops.integrations.wan.attention import PROCESSORS

@@ -71,6 +71,10 @@ def fp32_layer_norm(
         return F.layer_norm(x, shape, weight, bias, eps)
     rows = x.reshape(-1, row_len)
     n_rows = rows.shape[0]
+    if n_rows <= _rows_per_block(row_len):
+        # One block: its fp32 temporaries fit in L2 anyway, and the expression itself
+        # (the same three ATen calls, the same bits) costs less than the block walk.
+        return F.layer_norm(x.float(), shape, weight, bias, eps).to(x.dtype)
     out = torch.empty(rows.shape, dtype=x.dtype, device=x.device)
     w = None if weight is None else weight.reshape(row_len)
     b = None if bias is None else bias.reshape(row_len)
