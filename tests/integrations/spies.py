@@ -48,6 +48,24 @@ WAN_OPS = (
 )
 FLUX_OPS = ("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "qk_norm_rope")
 HUNYUAN_OPS = (*FLUX_OPS, "rms_norm")
+#: A FLUX-like tiny model of 2 double-stream and 2 single-stream blocks, patched (FLUX,
+#: Chroma, FLUX.2): what the patch reports and, per forward, each op's calls (2 double
+#: blocks: 2 modulated norms, 2 residual + norm, 2 residuals, the text and the image
+#: prologue each; 2 single blocks: 1 of each; the output norm).
+FLUX_FUSED = {"fused blocks": 4, "fused attention prologues": 4, "fused output norm": 1}
+FLUX_PER_FORWARD = {
+    "adaln_modulate": 2 * 2 + 2 + 1,
+    "adaln_residual_modulate": 2 * 2,
+    "adaln_residual": 2 * 2 + 2,
+    "qk_norm_rope": 2 * 2 + 2,
+}
+#: Its calls with one block of each kind (the Triton paths' model).
+FLUX_ONE_OF_EACH = {
+    "adaln_modulate": 2 + 1 + 1,
+    "adaln_residual_modulate": 2,
+    "adaln_residual": 2 + 1,
+    "qk_norm_rope": 2 + 1,
+}
 
 
 def cpu_paths_of(*op_names: str) -> Any:

@@ -16,16 +16,12 @@ from typing import Any
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig, FluxTransformer2DModel
 from torch import nn
 
 import ditops
 from tests.integrations.process_group import run_group
 from tests.integrations.test_diffusers_flux import TINY
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import ContextParallelConfig, FluxTransformer2DModel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

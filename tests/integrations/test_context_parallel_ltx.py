@@ -14,16 +14,12 @@ from typing import Any
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from tests.integrations.process_group import run_group
 from tests.integrations.test_diffusers_ltx_video import inputs, tiny_ltx
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import ContextParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

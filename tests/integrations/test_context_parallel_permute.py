@@ -21,11 +21,11 @@ from typing import Any
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 from torch import nn
 
 import ditops
-from tests.integrations.process_group import run_group
-from tests.integrations.test_context_parallel import (
+from tests.integrations.context_parallel_ranks import (
     DTYPES,
     SPARSE,
     TOL,
@@ -36,11 +36,7 @@ from tests.integrations.test_context_parallel import (
     model_of,
     recorded_masks,
 )
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import ContextParallelConfig  # noqa: E402
+from tests.integrations.process_group import run_group
 
 pytestmark = pytest.mark.slow
 

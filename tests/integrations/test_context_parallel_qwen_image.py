@@ -14,17 +14,13 @@ from typing import Any
 
 import pytest
 import torch
+from diffusers import ContextParallelConfig
 
 import ditops
 from tests.integrations.process_group import run_group
 from tests.integrations.spies import install_spies
 from tests.integrations.test_context_parallel_flux import diff, forward
 from tests.integrations.test_diffusers_qwen_image import inputs, tiny_qwen
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import ContextParallelConfig  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

@@ -10,28 +10,33 @@ must refuse.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 import torch
+from diffusers import ChromaTransformer2DModel
+from diffusers.models.transformers import transformer_chroma as tc
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 import ditops
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations import PatchError
-from tests.integrations.lifecycle import (
-    change_source,
-    check_compile_fullgraph,
-    check_deep_copy,
-    check_offload,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    OffloadContract,
+    changed,
+    first_output,
+    refused_whole,
+    setting,
 )
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
 )
-from diffusers import ChromaTransformer2DModel  # noqa: E402
 
 FAST_REL_TOL = 2e-2  # as FLUX's
 
@@ -49,7 +54,6 @@ TINY = dict(
     approximator_layers=2,
 )
 TEXT, SIDE = 5, 4
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_chroma(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -77,76 +81,10 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1, mask: bool = Fal
     return x
 
 
-def run(model: nn.Module, **kw: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(**kw, return_dict=False)[0]
+run = first_output
 
 
 cpu_paths = cpu_paths_of(*FLUX_OPS)
-
-
-@pytest.mark.parametrize(
-    ("dtype", "batch", "mask"),
-    [("fp32", 1, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, True)],
-)
-def test_exact_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, mask: bool, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_chroma(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch, mask)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["ChromaTransformer2DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    assert torch.equal(run(model, **x), ref)
-    # 2 double blocks (2 modulated norms, 2 residual+norm, 2 residuals, 2 prologues: text
-    # and image), 2 single blocks (1 each), the output norm
-    assert cpu_paths == {
-        "adaln_modulate": 2 * 2 + 2 + 1,
-        "adaln_residual_modulate": 2 * 2,
-        "adaln_residual": 2 * 2 + 2,
-        "qk_norm_rope": 2 * 2 + 2,
-    }
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_within_tolerance(dtype: str) -> None:
-    model = tiny_chroma(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2, mask=True)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-
-
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast
-    precision, with the text mask."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-
-    ops = (
-        adaln.AdaLNModulateOp,
-        adaln.AdaLNResidualModulateOp,
-        adaln.AdaLNResidualOp,
-        qk_norm_rope.QKNormRopeOp,
-    )
-    model, x = tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True)
-    used = check_triton_paths(monkeypatch, model, x, run, ops, FAST_REL_TOL)
-    assert used == {
-        "adaln_modulate": 4,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 3,
-        "qk_norm_rope": 3,
-    }
 
 
 def test_hooks_on_bypassed_norms_run_diffusers_forward_bitwise() -> None:
@@ -196,73 +134,68 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
+LIFE = Life(
+    make=tiny_chroma,
+    inputs=lambda: inputs(batch=2, mask=True),
+    processor=FluxAttnProcessor,
+    cases=inputs,
+)
+
+
 @pytest.mark.parametrize(
-    ("where", "fragment"),
+    ("change", "fragment"),
     [
-        ("block", r"single_transformer_blocks\[0\] is a ChromaSingleTransformerBlock whose"),
-        ("norm", r"ChromaAdaLayerNormZeroPruned.forward of diffusers .* differs"),
-        ("qk_eps", r"transformer_blocks\[1\].attn.norm_q and norm_k have different eps"),
-        ("sparse", r"sparse attention is supported for WanTransformer3DModel.*not for Chroma"),
+        (
+            changed(tc.ChromaSingleTransformerBlock, "forward"),
+            r"single_transformer_blocks\[0\] is a ChromaSingleTransformerBlock whose",
+        ),
+        (
+            changed(tc.ChromaAdaLayerNormZeroPruned, "forward"),
+            r"ChromaAdaLayerNormZeroPruned.forward of diffusers .* differs",
+        ),
+        (
+            setting("transformer_blocks.1.attn.norm_k", "eps", 1e-5),
+            r"transformer_blocks\[1\].attn.norm_q and norm_k have different eps",
+        ),
     ],
+    ids=["block", "norm", "qk_eps"],
 )
 def test_refused_whole_changing_nothing(
-    monkeypatch: pytest.MonkeyPatch, where: str, fragment: str
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from diffusers.models.transformers import transformer_chroma as tc
-
-    model = tiny_chroma()
-    options = {}
-    if where == "block":
-        change_source(monkeypatch, tc.ChromaSingleTransformerBlock, "forward")
-    elif where == "norm":
-        change_source(monkeypatch, tc.ChromaAdaLayerNormZeroPruned, "forward")
-    elif where == "qk_eps":
-        model.transformer_blocks[1].attn.norm_k.eps = 1e-5
-    else:
-        options = {"attention": BlockSparseConfig(sparsity=0.5)}
-    x = inputs()
-    ref = run(model, **x)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, **options)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
-# --- a patched model's life -------------------------------------------------------------------
+class TestContract(FamilyContract, OffloadContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first, the Triton paths (with the text
+    mask), offload in both orders."""
 
+    life = LIFE
+    exact_cases = [
+        (d, {"batch": b, "mask": m})
+        for d, b, m in (
+            ("fp32", 1, False),
+            ("bf16", 1, False),
+            ("bf16", 2, True),
+            ("fp16", 2, True),
+        )
+    ]
+    fused = FLUX_FUSED
+    cpu_calls = FLUX_PER_FORWARD
+    fast_case = {"batch": 2, "mask": True}
+    triton_ops = FLUX_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = FLUX_ONE_OF_EACH
 
-def _halve_q_norms(model: nn.Module) -> None:
-    for block in model.transformer_blocks:
-        block.attn.norm_q.weight.mul_(0.5)
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [block.attn.norm_q.weight for block in model.transformer_blocks]
 
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_chroma, num_layers=1, num_single_layers=1))
 
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    check_deep_copy(tiny_chroma(), inputs(), run, _halve_q_norms)
-
-
-def test_patched_model_pickles_and_patches_again() -> None:
-    check_pickles_and_patches_again(tiny_chroma(), inputs(batch=2, mask=True), run)
-
-
-@pytest.mark.slow
-def test_compile_fullgraph_without_recompiles() -> None:
-    """The patched model compiled before any eager call, fullgraph, no recompile, bitwise
-    the unpatched model (tests/integrations/lifecycle.py)."""
-    check_compile_fullgraph(
-        lambda: tiny_chroma(num_layers=1, num_single_layers=1), inputs(batch=2, mask=True), run
-    )
-
-
-@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
-@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
-def test_offload_gives_the_unpatched_model_under_the_same_offload(
-    mode: str, order: str, tmp_path
-) -> None:
-    """As tests/integrations/test_offload.py for FLUX: every block stays fused (the
-    pruned norms and the LayerNorms they bypass hold no parameters); bitwise the
-    unpatched model under the same offload."""
-    places = check_offload(tiny_chroma, inputs(batch=2, mask=True), run, mode, order, tmp_path)
-    blocks = [v for k, v in places.items() if "blocks." in k or k == "norm_out"]
-    assert len(blocks) == 5 and set(blocks) == {"fused"}, places
+    def offloaded(self, places: dict[str, str], mode: str) -> None:
+        """Every block stays fused (the pruned norms and the LayerNorms they bypass hold
+        no parameters)."""
+        blocks = [v for k, v in places.items() if "blocks." in k or k == "norm_out"]
+        assert len(blocks) == 5 and set(blocks) == {"fused"}, places

@@ -8,34 +8,38 @@ without affine parameters; fast precision within tolerance. Sparse attention: de
 steps bitwise, sparse steps at the density asked (read from the layer) and close to
 dense, every block kept = the dense attention (test_diffusers_cogvideox_sparse.py).
 Then hooks, refusals, a patched model's life (unpatch, deep copy, pickle, torch.compile,
-offload; the shared checks of tests/integrations/lifecycle.py) and the Triton paths.
+offload: tests/integrations/family_life.py's contract) and the Triton paths.
 """
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 import torch
+from diffusers import CogVideoXTransformer3DModel
+from diffusers.models import attention_processor as ap
+from diffusers.models import embeddings, normalization
+from diffusers.models.embeddings import get_3d_rotary_pos_embed
+from diffusers.models.transformers import cogvideox_transformer_3d
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.lifecycle import (
-    change_source,
-    check_compile_fullgraph,
-    check_deep_copy,
-    check_offload,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    DTYPES,
+    FamilyContract,
+    Life,
+    OffloadContract,
+    changed,
+    compile_first_fullgraph,
+    patched_model_pickles,
+    refused_whole,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import CogVideoXTransformer3DModel  # noqa: E402
-from diffusers.models.embeddings import get_3d_rotary_pos_embed  # noqa: E402
 
 FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through the blocks
 
@@ -60,7 +64,6 @@ LAYOUTS = {
     "v10_2b": {"use_rotary_positional_embeddings": False},
     "v15": {"patch_size_t": 2, "ofs_embed_dim": 24},
 }
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MODEL = "CogVideoXTransformer3DModel"
 OPS = (
     "adaln_modulate",
@@ -252,42 +255,43 @@ def test_a_norm_of_the_users_leaves_its_block_unfused() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
+LIFE = Life(
+    make=tiny_cogvideox,
+    inputs=lambda: inputs(tiny_cogvideox(), batch=2),
+    run=run,
+    attn="attn1",
+    processor=ap.CogVideoXAttnProcessor2_0,
+)
+
+
+def life_of(dtype: torch.dtype, layout: str, **overrides: object) -> Life:
+    make = functools.partial(tiny_cogvideox, dtype, layout, **overrides)
+    return replace(LIFE, make=make, inputs=lambda: inputs(make(), batch=2))
+
+
 @pytest.mark.parametrize(
-    ("owner", "name", "fragment"),
+    ("change", "fragment"),
     [
         (
-            "normalization.CogVideoXLayerNormZero",
-            "forward",
+            changed(normalization.CogVideoXLayerNormZero, "forward"),
             r"CogVideoXLayerNormZero.forward of diffusers .* differs",
         ),
         (
-            "cogvideox_transformer_3d.CogVideoXBlock",
-            "forward",
+            changed(cogvideox_transformer_3d.CogVideoXBlock, "forward"),
             r"transformer_blocks\[0\] is a CogVideoXBlock whose forward .* none ditops knows",
         ),
         (
-            "attention_processor.CogVideoXAttnProcessor2_0",
-            "__call__",
+            changed(ap.CogVideoXAttnProcessor2_0, "__call__"),
             r"attn1.processor CogVideoXAttnProcessor2_0.__call__ .* differs",
         ),
-        ("embeddings", "apply_rotary_emb", r"apply_rotary_emb of diffusers .* differs"),
+        (changed(embeddings, "apply_rotary_emb"), r"apply_rotary_emb of diffusers .* differs"),
     ],
+    ids=["norm", "block", "processor", "rotary"],
 )
 def test_a_changed_diffusers_forward_is_refused_changing_nothing(
-    monkeypatch: pytest.MonkeyPatch, owner: str, name: str, fragment: str
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import importlib
-
-    module, _, cls = owner.partition(".")
-    package = "transformers." if module.startswith("cogvideox") else ""
-    where = importlib.import_module(f"diffusers.models.{package}{module}")
-    target = getattr(where, cls) if cls else where
-    change_source(monkeypatch, target, name)
-    model = tiny_cogvideox()
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
+    refused_whole(LIFE, change, fragment, monkeypatch, attention=BlockSparseConfig(sparsity=0.5))
 
 
 def test_diffusers_fused_qkv_processor_is_kept_and_refused_for_sparse() -> None:
@@ -302,30 +306,16 @@ def test_diffusers_fused_qkv_processor_is_kept_and_refused_for_sparse() -> None:
         ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
 
 
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    def change(twin: nn.Module) -> None:
-        for block in twin.transformer_blocks:
-            block.norm1.norm.weight.mul_(0.5)
-
-    model = tiny_cogvideox(layout="v15")
-    check_deep_copy(model, inputs(model, batch=2), run, change)
-
-
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_patched_model_pickles_and_patches_again(dtype: str) -> None:
-    model = tiny_cogvideox(DTYPES[dtype])
-    check_pickles_and_patches_again(model, inputs(model, batch=2), run)
+def test_patched_model_pickles_in_fp32() -> None:
+    """The contract's pickling in fp32 (its model is bf16)."""
+    patched_model_pickles(life_of(torch.float32, "v10"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", ["v10", "v15"])
-def test_compile_first_fullgraph_without_recompiles(layout: str) -> None:
-    """fp32: the fp32 chain's ops (tests/integrations/lifecycle.py)."""
-    build = lambda: tiny_cogvideox(torch.float32, layout, num_layers=1)  # noqa: E731
-    check_compile_fullgraph(build, inputs(build()), run)
+@pytest.mark.usefixtures("fresh_process")
+def test_compile_first_fullgraph_without_recompiles_v10() -> None:
+    """fp32: the fp32 chain's ops (the contract's compile runs 1.5)."""
+    compile_first_fullgraph(life_of(torch.float32, "v10", num_layers=1))
 
 
 @pytest.mark.slow
@@ -346,41 +336,48 @@ def test_compiled_fast_bf16_is_the_eager_patched_model() -> None:
         torch._dynamo.reset()
 
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast, bf16;
-    attention itself runs diffusers' SDPA."""
-    from ditops.ops import modulation_fp32, modulation_model_dtype, qk_norm_rope
+class TestContract(FamilyContract, OffloadContract):
+    """A patched model's life (tests/integrations/family_life.py): deep copies, pickling,
+    patching again, compile first (1.5, fp32: the fp32 chain's ops), the Triton paths
+    (1.5, fast, bf16; attention itself runs diffusers' SDPA), offload in both orders.
+    CogVideoX serves sparse attention (test_diffusers_cogvideox_sparse.py)."""
 
-    ops = (
-        modulation_fp32.LayerNormScaleShiftOp,
-        modulation_fp32.ScaleResidualLayerNormScaleShiftOp,
-        modulation_model_dtype.AdaLNResidualOp,
-        qk_norm_rope.RotaryEmbeddingOp,
+    test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    # its parity tests are its own (three layouts; the ops each dtype takes differ)
+    test_exact_patch_is_bitwise_equal_and_unpatch_restores = None
+    test_fast_patch_within_tolerance = None
+    life = LIFE
+    triton_ops = (
+        "layer_norm_scale_shift",
+        "scale_residual_layer_norm_scale_shift",
+        "adaln_residual",
+        "rotary_embedding",
     )
-    model = tiny_cogvideox(layout="v15", num_layers=1)
-    used = check_triton_paths(monkeypatch, model, inputs(model, batch=2), run, ops, FAST_REL_TOL)
-    assert used == {
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = {
         "layer_norm_scale_shift": 3,
         "scale_residual_layer_norm_scale_shift": 2,
         "adaln_residual": 2,
         "rotary_embedding": 2,
     }
 
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [block.norm1.norm.weight for block in model.transformer_blocks]
 
-@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
-@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
-def test_offload_gives_the_unpatched_model_under_the_same_offload(
-    mode: str, order: str, tmp_path
-) -> None:
-    """Bitwise the unpatched model under the same offload (test_offload.py's modes).
-    CogVideoX's LayerNorms hold weights: sequential and leaf-level offload hook them, so
-    the blocks and the output norm run diffusers' forward (the guard), saying why."""
-    model = tiny_cogvideox()
-    places = check_offload(tiny_cogvideox, inputs(model, batch=2), run, mode, order, tmp_path)
-    assert places.pop("").startswith("diffusers ")  # the model's line: the arithmetic matched
-    assert set(places) == {"transformer_blocks.0", "transformer_blocks.1", "norm_out"}
-    if mode in ("model", "group-block"):
-        assert set(places.values()) == {"fused"}, places
-    else:
-        hook = "an accelerate hook" if mode == "sequential" else "diffusers hooks"
-        assert all(hook in why for why in places.values()), places
+    def small(self) -> Life:
+        return life_of(torch.bfloat16, "v15", num_layers=1)
+
+    def compiled(self) -> Life:
+        return life_of(torch.float32, "v15", num_layers=1)
+
+    def offloaded(self, places: dict[str, str], mode: str) -> None:
+        """CogVideoX's LayerNorms hold weights: sequential and leaf-level offload hook
+        them, so the blocks and the output norm run diffusers' forward (the guard),
+        saying why."""
+        assert places.pop("").startswith("diffusers ")  # the model's line: arithmetic matched
+        assert set(places) == {"transformer_blocks.0", "transformer_blocks.1", "norm_out"}
+        if mode in ("model", "group-block"):
+            assert set(places.values()) == {"fused"}, places
+        else:
+            hook = "an accelerate hook" if mode == "sequential" else "diffusers hooks"
+            assert all(hook in why for why in places.values()), places

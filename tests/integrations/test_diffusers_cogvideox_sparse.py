@@ -18,16 +18,6 @@ SPARSE_VIDEO = {"v10": dict(frames=8, hw=16), "v15": dict(frames=16, hw=16)}
 VIDEO = 512
 
 
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
-
-
 @pytest.mark.parametrize(("layout", "norms"), [("v10", True), ("v15", True), ("v15", False)])
 def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
     layout: str, norms: bool, estimates: list
@@ -66,30 +56,19 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
 
 @pytest.mark.parametrize("layout", ["v10", "v15"])
 def test_sparse_path_with_every_block_kept_is_the_dense_attention(
-    monkeypatch: pytest.MonkeyPatch, layout: str
+    every_block_kept: list, layout: str
 ) -> None:
     """fp32, the estimate replaced by one keeping every block: the split by queries and the
     text keys first give the unpatched model's attention (fp32 attention's tolerance), and
     the leading dense blocks cover the text and the first frame."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    seen = []
-
-    def keep_all(self, q, k, *, layout, scale, dense_blocks, **_):
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        seen.append((lq, lk, dense_blocks))
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
     model = tiny_cogvideox(torch.float32, layout)
     x = inputs(model, **SPARSE_VIDEO[layout])
     ref = run(model, **x)
     ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
     out = run(model, "cond", **x)
-    assert seen == [(VIDEO, VIDEO + TEXT, -(-(TEXT + 64) // 16))] * 2
+    assert [kept[:3] for kept in every_block_kept] == [
+        (VIDEO, VIDEO + TEXT, -(-(TEXT + 64) // 16))
+    ] * 2
     assert max_rel_err(out, ref) < 1e-5
 
 

@@ -10,26 +10,32 @@ orders, torch.compile before any eager call, and models it must refuse.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
+import functools
+from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import FluxTransformer2DModel
+from diffusers.models import embeddings
+from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
 from torch import nn
 
 import ditops
-from ditops import config
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.custom_op import reset_state
-from ditops.integrations import PatchError
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of, install_spies
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    batches,
+    changed,
+    refused_whole,
+    setting,
 )
-from diffusers import FluxTransformer2DModel  # noqa: E402
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
+)
 
 # fast precision: the patched model's output against the unpatched one, relative to the
 # output's scale (bf16/fp16 activations through 4 blocks: a few ulps of the dtype).
@@ -80,49 +86,6 @@ def run(model: nn.Module, step: int | None = None, **kw: torch.Tensor) -> torch.
 cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
-@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_flux(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["FluxTransformer2DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    out = run(model, **x)
-    assert torch.equal(out, ref)
-    # every fused CPU path ran: 2 double blocks (2 modulated norms, 2 residual+norm, 2
-    # residuals, 2 prologues: text and image), 2 single blocks, the output norm
-    assert cpu_paths == {
-        "adaln_modulate": 2 * 2 + 2 + 1,
-        "adaln_residual_modulate": 2 * 2,
-        "adaln_residual": 2 * 2 + 2,
-        "qk_norm_rope": 2 * 2 + 2,
-    }
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "FluxAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_flux(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-
-
 def test_guidance_and_tables_given_in_another_dtype() -> None:
     """FLUX.1-dev's guidance embedding; rotary tables that arrive as bf16 still rotate in
     fp32 as diffusers' apply_rotary_emb does."""
@@ -142,8 +105,6 @@ def test_guidance_and_tables_given_in_another_dtype() -> None:
 
 
 def test_other_processors_are_kept_and_the_blocks_still_fused() -> None:
-    from diffusers.models.transformers.transformer_flux import FluxAttnProcessor
-
     class MyProcessor(FluxAttnProcessor):
         pass
 
@@ -178,48 +139,31 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
+LIFE = Life(
+    make=tiny_flux,
+    inputs=lambda: inputs(batch=2),
+    run=run,
+    processor=FluxAttnProcessor,
+    cases=inputs,
+)
+
+
 @pytest.mark.parametrize(
-    ("change", "options", "fragment"),
+    ("change", "fragment"),
     [
-        (lambda m: None, {"attention": BlockSparseConfig(sparsity=0.5)}, "WanTransformer3DModel"),
         (
-            lambda m: setattr(m.single_transformer_blocks[0].attn.norm_k, "eps", 1e-5),
-            {},
+            setting("single_transformer_blocks.0.attn.norm_k", "eps", 1e-5),
             r"single_transformer_blocks\[0\].attn.norm_q and norm_k have different eps",
         ),
+        # another diffusers: its apply_rotary_emb differs (its source: the fingerprint)
+        (changed(embeddings, "apply_rotary_emb"), r"apply_rotary_emb of diffusers .* differs"),
     ],
-    ids=["sparse_attention", "qk_eps"],
+    ids=["qk_eps", "another_diffusers_version"],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
-    change, options: dict, fragment: str
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_flux()
-    change(model)
-    x = inputs()
-    ref = run(model, **x)
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, **options)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert torch.equal(run(model, **x), ref)
-
-
-def test_another_diffusers_version_is_refused_by_fingerprint(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """A diffusers whose apply_rotary_emb differs (its source: the fingerprint) is refused."""
-    from diffusers.models import embeddings
-
-    original = embeddings.apply_rotary_emb
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(embeddings, "apply_rotary_emb", changed)
-    model = tiny_flux()
-    with pytest.raises(PatchError, match=r"apply_rotary_emb of diffusers .* differs"):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
 def test_norms_false_changes_nothing_but_records_the_patch() -> None:
@@ -227,60 +171,6 @@ def test_norms_false_changes_nothing_but_records_the_patch() -> None:
     report = ditops.patch(model, norms=False)
     assert report.models["FluxTransformer2DModel"] == {}
     assert "forward" not in vars(model.transformer_blocks[0])
-
-
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    model = tiny_flux()
-    x = inputs()
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.transformer_blocks:
-            block.ff.net[0].proj.weight.mul_(0.5)
-            block.attn.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)  # and the original is untouched
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)  # exact: unpatched, the same bits
-    assert hasattr(model, "_ditops_patch")
-    assert torch.equal(run(model, **x), before)
-
-
-def test_patched_model_pickles() -> None:
-    model = tiny_flux()
-    x = inputs()
-    ditops.patch(model, precision="fast")
-    before = run(model, **x)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), before)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.unpatch(loaded)
-    assert not hasattr(loaded, "_ditops_patch") and "forward" not in vars(
-        loaded.single_transformer_blocks[0]
-    )
-
-
-def test_patching_again_combines_and_switches_precision() -> None:
-    x = inputs(torch.bfloat16, batch=2)
-    model = tiny_flux()
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
-    ditops.patch(model, norms=True)  # precision kept
-    assert model._ditops_patch.options.precision == "fast"
-    assert torch.equal(run(model, **x), fast)
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
 
 
 def _fbc_run(model: nn.Module, x: dict, steps: int = 3) -> list[torch.Tensor]:
@@ -319,52 +209,25 @@ def test_first_block_cache_in_both_orders() -> None:
         assert getattr(block.forward, "__func__", None) is type(block).forward
 
 
-@pytest.fixture
-def as_in_a_fresh_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    reset_state()
-    monkeypatch.setattr(config, "_process", None)
-    torch._dynamo.reset()
-    yield
-    reset_state()
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first and the Triton paths with one
+    block of each kind (attention itself runs diffusers' SDPA). (diffusers'
+    ``compile_repeated_blocks`` recompiles FLUX's single-stream block once whether patched
+    or not: its second call gets a slice of the first's output, another stride.)"""
 
+    life = LIFE
+    exact_cases = batches(("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FLUX_FUSED
+    cpu_calls = FLUX_PER_FORWARD
+    fast_case = {"batch": 2}
+    triton_ops = FLUX_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = FLUX_ONE_OF_EACH
 
-@pytest.mark.slow
-def test_compile_first_fullgraph_without_recompiles(as_in_a_fresh_process: None) -> None:
-    """As tests/integrations/test_compile.py for Wan: the whole patched model compiled
-    before any eager call, fullgraph, no recompile on the second call; aot_eager (dynamo
-    and AOT tracing through the kernels' fake implementations, no inductor code
-    generation). One block of each kind keeps it to seconds. (diffusers'
-    ``compile_repeated_blocks`` recompiles FLUX's single-stream block once whether
-    patched or not: its second call gets a slice of the first's output, another stride.)"""
-    x = inputs()
-    model = tiny_flux(num_layers=1, num_single_layers=1)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        first = run(compiled, **x)
-        again = run(compiled, **x)
-    assert torch.equal(first, again)
-    assert torch.equal(first, run(tiny_flux(num_layers=1, num_single_layers=1), **x))
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        blocks = model.transformer_blocks
+        return [w for b in blocks for w in (b.ff.net[0].proj.weight, b.attn.norm_q.weight)]
 
-
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The patched model with every fused op on its Triton path (CPU tensors through
-    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
-    precision, against the unpatched model; attention itself runs diffusers' SDPA."""
-    model = tiny_flux(num_layers=1, num_single_layers=1)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            from ditops.ops import modulation_model_dtype as adaln
-            from ditops.ops import qk_norm_rope
-
-            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, qk_norm_rope.QKNormRopeOp)
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
-    assert used == {"adaln_modulate": 4, "adaln_residual_modulate": 2, "qk_norm_rope": 3}
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_flux, num_layers=1, num_single_layers=1))

@@ -10,29 +10,34 @@ bypassed norm, torch.compile) and the models it must refuse.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 import torch
+from diffusers import Flux2Transformer2DModel
+from diffusers.models import embeddings
+from diffusers.models.transformers import transformer_flux2 as tf2
 from torch import nn
 
 import ditops
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations import PatchError
-from tests.integrations.family_checks import assert_refused_whole, cached_steps
-from tests.integrations.lifecycle import (
-    change_source,
-    check_compile_fullgraph,
-    check_deep_copy,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    batches,
+    cached_steps,
+    changed,
+    first_output,
+    refused_whole,
+    setting,
 )
-from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.spies import (
+    FLUX_FUSED,
+    FLUX_ONE_OF_EACH,
+    FLUX_OPS,
+    FLUX_PER_FORWARD,
+    cpu_paths_of,
 )
-from diffusers import Flux2Transformer2DModel  # noqa: E402
-from diffusers.models.transformers import transformer_flux2 as tf2  # noqa: E402
 
 #: fast precision: output against the unpatched model, relative to its scale.
 FAST_REL_TOL = 2e-2
@@ -53,7 +58,6 @@ TINY = dict(
 )
 TEXT = 7  # odd: the tables split at an odd row
 SIDE = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_flux2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> Flux2Transformer2DModel:
@@ -81,54 +85,12 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
     }
 
 
-def run(model: nn.Module, **kw: object) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(**kw, return_dict=False)[0]
+run = first_output
 
 
 cpu_paths = cpu_paths_of(*FLUX_OPS)  # counts the calls reaching each op's forward_cpu
 
-#: One forward: 2 double blocks (2 modulated norms, 2 residual + norm, 2 residuals, the
-#: text and the image prologue each), 2 single blocks (1 of each), the output norm.
-PER_FORWARD = {
-    "adaln_modulate": 2 * 2 + 2 + 1,
-    "adaln_residual_modulate": 2 * 2,
-    "adaln_residual": 2 * 2 + 2,
-    "qk_norm_rope": 2 * 2 + 2,
-}
-FUSED = {"fused blocks": 4, "fused attention prologues": 4, "fused output norm": 1}
-
-
-@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2)])
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_flux2(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME] == FUSED
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == PER_FORWARD
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}  # per forward
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor) is tf2.Flux2AttnProcessor
-    single = model.single_transformer_blocks[0].attn.processor
-    assert type(single) is tf2.Flux2ParallelSelfAttnProcessor
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_flux2(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+PER_FORWARD, FUSED = FLUX_PER_FORWARD, FLUX_FUSED  # 2 double, 2 single blocks, as FLUX
 
 
 def test_fused_projections_and_guidance(cpu_paths: dict[str, int]) -> None:
@@ -239,55 +201,41 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(cpu_paths: dict[str, i
     assert cpu_paths["adaln_modulate"] == 2 * PER_FORWARD["adaln_modulate"] - 1
 
 
-@pytest.mark.parametrize(
-    ("owner", "name", "fragment"),
-    [
-        (tf2.Flux2TransformerBlock, "forward", r"transformer_blocks\[0\] is a Flux2Transformer"),
-        (tf2.Flux2SingleTransformerBlock, "forward", r"single_transformer_blocks\[1\] is a"),
-        (tf2.Flux2ParallelSelfAttnProcessor, "__call__", r"processor .*differs from the versions"),
-        (tf2, "apply_rotary_emb", None),
-    ],
-    ids=["double_block", "single_block", "processor", "rotary"],
+LIFE = Life(
+    make=tiny_flux2,
+    inputs=lambda: inputs(batch=2),
+    processor=tf2.Flux2AttnProcessor,
+    cases=inputs,
 )
-def test_a_changed_diffusers_function_is_refused(
-    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str | None
-) -> None:
-    if fragment is None:  # apply_rotary_emb: changed where it is defined
-        from diffusers.models import embeddings as owner  # type: ignore[no-redef]
-
-        fragment = r"apply_rotary_emb of diffusers .* differs"
-    change_source(monkeypatch, owner, name)
-    model = tiny_flux2()
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor) is tf2.Flux2AttnProcessor
 
 
 @pytest.mark.parametrize(
-    ("change", "options", "fragment"),
+    ("change", "fragment"),
     [
         (
-            lambda m: None,
-            {"attention": BlockSparseConfig(sparsity=0.5)},
-            r"sparse attention is supported for WanTransformer3DModel.*not for "
-            r"Flux2Transformer2DModel",
+            changed(tf2.Flux2TransformerBlock, "forward"),
+            r"transformer_blocks\[0\] is a Flux2Transformer",
         ),
         (
-            lambda m: setattr(m.transformer_blocks[1].attn.norm_added_k, "eps", 1e-3),
-            {},
+            changed(tf2.Flux2SingleTransformerBlock, "forward"),
+            r"single_transformer_blocks\[1\] is a",
+        ),
+        (
+            changed(tf2.Flux2ParallelSelfAttnProcessor, "__call__"),
+            r"processor .*differs from the versions",
+        ),
+        (changed(embeddings, "apply_rotary_emb"), r"apply_rotary_emb of diffusers .* differs"),
+        (
+            setting("transformer_blocks.1.attn.norm_added_k", "eps", 1e-3),
             r"transformer_blocks\[1\].attn.norm_added_q and norm_added_k have different eps",
         ),
     ],
-    ids=["sparse_attention", "qk_eps"],
+    ids=["double_block", "single_block", "processor", "rotary", "qk_eps"],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
-    change, options: dict, fragment: str
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_flux2()
-    change(model)
-    assert_refused_whole(model, run, inputs(), fragment, **options)
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
 def test_norms_false_changes_nothing() -> None:
@@ -295,18 +243,6 @@ def test_norms_false_changes_nothing() -> None:
     report = ditops.patch(model, norms=False)
     assert report.models[NAME] == {}
     assert "forward" not in vars(model.transformer_blocks[0])
-
-
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_pickle_and_patching_again() -> None:
-    def halve(twin: nn.Module) -> None:
-        for block in twin.single_transformer_blocks:
-            block.attn.norm_q.weight.mul_(0.5)
-
-    check_deep_copy(tiny_flux2(), inputs(), run, halve)
-    check_pickles_and_patches_again(tiny_flux2(), inputs(batch=2), run)
 
 
 #: Four steps' timesteps (TaylorSeer caches some of them).
@@ -357,28 +293,22 @@ def test_block_level_group_offloading_in_both_orders(
     assert torch.equal(run(model, **x), want)
 
 
-@pytest.mark.slow
-def test_compile_first_fullgraph_without_recompiles() -> None:
-    """One block of each kind, compiled before any eager call, fullgraph."""
-    check_compile_fullgraph(lambda: tiny_flux2(num_layers=1, num_single_layers=1), inputs(), run)
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first and the Triton paths (one block
+    of each kind)."""
 
+    life = LIFE
+    exact_cases = batches(("fp32", 1), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FUSED
+    cpu_calls = PER_FORWARD
+    fast_case = {"batch": 2}
+    triton_ops = FLUX_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = FLUX_ONE_OF_EACH
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (interpreter, strict), one block of each kind."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [block.attn.norm_q.weight for block in model.single_transformer_blocks]
 
-    ops = (
-        adaln.AdaLNModulateOp,
-        adaln.AdaLNResidualModulateOp,
-        adaln.AdaLNResidualOp,
-        qk_norm_rope.QKNormRopeOp,
-    )
-    model = tiny_flux2(num_layers=1, num_single_layers=1)
-    used = check_triton_paths(monkeypatch, model, inputs(batch=2), run, ops, FAST_REL_TOL)
-    assert used == {
-        "adaln_modulate": 4,
-        "adaln_residual_modulate": 2,
-        "adaln_residual": 3,
-        "qk_norm_rope": 3,
-    }
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_flux2, num_layers=1, num_single_layers=1))

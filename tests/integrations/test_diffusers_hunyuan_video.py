@@ -3,32 +3,36 @@
 Parity: exact precision is bitwise equal to the unpatched model in fp32, bf16 and fp16,
 batch 1 and 2, with padded text (the attention mask) and the guidance embedding, with the
 fused CPU paths shown to run (a silent fall back to the eager expressions would be
-trivially equal); I2V variants; fast precision within tolerance. Sparse attention: dense
-steps bitwise, sparse steps close with the density asked, padded text masked exactly,
-the step counted from the timestep as HunyuanVideoPipeline gives no step index. Then
-refusals (changing nothing) and a patched model's life: unpatch, deep copy, pickle,
-torch.compile.
+trivially equal); I2V variants; fast precision within tolerance. Then refusals (changing
+nothing) and a patched model's life (tests/integrations/family_life.py's contract).
+Sparse attention: test_diffusers_hunyuan_video_sparse.py.
 """
 
 from __future__ import annotations
 
-import copy
-import io
+import functools
+from dataclasses import replace
 
+import diffusers
 import pytest
 import torch
+from diffusers import HunyuanVideoTransformer3DModel
+from diffusers.models.transformers import transformer_hunyuan_video as hv
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.family_life import (
+    DTYPES,
+    FamilyContract,
+    HookContract,
+    Life,
+    batches,
+    changed,
+    refused_whole,
 )
-from diffusers import HunyuanVideoTransformer3DModel  # noqa: E402
+from tests.integrations.spies import FLUX_FUSED, HUNYUAN_OPS, cpu_paths_of
 
 FAST_REL_TOL = 2e-2  # as FLUX's: a few ulps of the dtype through 4 blocks
 
@@ -49,7 +53,6 @@ TINY = dict(
     guidance_embeds=True,
 )
 TEXT = 7
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_hunyuan(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -106,42 +109,6 @@ FUSED_CALLS = {
 }
 
 
-@pytest.mark.parametrize(
-    ("dtype", "batch"), [("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2)]
-)
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_hunyuan(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["HunyuanVideoTransformer3DModel"] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused output norm": 1,
-    }
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == FUSED_CALLS
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.single_transformer_blocks[0].attn.processor).__name__ == (
-        "HunyuanVideoAttnProcessor2_0"
-    )
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_hunyuan(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-
-
 def test_without_guidance_embedding_and_i2v_latent_concat() -> None:
     for overrides, channels in (
         ({"guidance_embeds": False}, 4),
@@ -177,22 +144,6 @@ def test_i2v_token_replace_blocks_fused_bitwise(dtype: str, cpu_paths: dict[str,
         "qk_norm_rope": 4,
         "rms_norm": 8,
     }
-
-
-def test_a_block_with_hooks_on_a_bypassed_norm_runs_its_own_forward() -> None:
-    model = tiny_hunyuan()
-    x = inputs()
-    seen: list[int] = []
-    model.transformer_blocks[1].norm2.register_forward_hook(lambda *_: seen.append(1))
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["HunyuanVideoTransformer3DModel"]["fused blocks"] == 3
-    assert report.models["HunyuanVideoTransformer3DModel"]["unfused blocks"] == 1
-    why = report.unfused["HunyuanVideoTransformer3DModel"]["transformer_blocks.1"]
-    assert "norm2 has a torch forward hook" in why
-    seen.clear()
-    assert torch.equal(run(model, **x), ref)
-    assert seen == [1]  # the hook still runs
 
 
 def test_a_hook_added_after_the_patch_is_seen_on_the_next_call() -> None:
@@ -316,224 +267,51 @@ def test_a_token_replace_norm_it_was_not_written_for_is_refused() -> None:
     assert not hasattr(model, "_ditops_patch")
 
 
+LIFE = Life(
+    make=tiny_hunyuan,
+    inputs=lambda: inputs(batch=2),
+    run=run,
+    processor=hv.HunyuanVideoAttnProcessor2_0,
+    cases=inputs,
+)
+
+
 def test_another_diffusers_version_is_refused_by_fingerprint(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A diffusers whose HunyuanVideoAttnProcessor2_0.__call__ differs (its source: the
     fingerprint) is refused, naming it."""
-    from diffusers.models.transformers import transformer_hunyuan_video as hv
-
-    original = hv.HunyuanVideoAttnProcessor2_0.__call__
-
-    def changed(self, *args, **kwargs):
-        return original(self, *args, **kwargs)
-
-    monkeypatch.setattr(hv.HunyuanVideoAttnProcessor2_0, "__call__", changed)
-    model = tiny_hunyuan()
-    with pytest.raises(PatchError, match=r"HunyuanVideoAttnProcessor2_0.__call__ \(fingerprint"):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
+    change = changed(hv.HunyuanVideoAttnProcessor2_0, "__call__")
+    fragment = r"HunyuanVideoAttnProcessor2_0.__call__ \(fingerprint"
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
-# --- a patched model's life -------------------------------------------------------------------
+class TestContract(FamilyContract, HookContract):
+    """A patched model's life (tests/integrations/family_life.py): deep copies, pickling,
+    patching again, compile first (fullgraph, aot_eager) and the Triton paths (fast, the
+    GPU code path, diffusers' RMSNorm convention included) with one block of each kind.
+    HunyuanVideo serves sparse attention (test_diffusers_hunyuan_video_sparse.py)."""
 
-
-def test_deep_copy_is_independent_and_pickles() -> None:
-    model = tiny_hunyuan()
-    x = inputs(batch=2)
-    ditops.patch(model, precision="exact")
-    before = run(model, **x)
-    twin = copy.deepcopy(model)
-    assert torch.equal(run(twin, **x), before)
-    with torch.no_grad():
-        for block in twin.transformer_blocks:
-            block.attn.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, before)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), before)  # and the original is untouched
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), before)
-
-
-@pytest.mark.slow
-def test_compiled_patched_model_gives_the_same_output() -> None:
-    """fullgraph, aot_eager (dynamo and AOT tracing through the kernels' fake
-    implementations; no inductor code generation): one block of each kind."""
-    torch._dynamo.reset()
-    x = inputs()
-    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
-    ref = run(model, **x)
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    assert torch.equal(run(compiled, **x), ref)
-    torch._dynamo.reset()
-
-
-# --- sparse attention ------------------------------------------------------------------------
-
-SPARSE_VIDEO = dict(frames=8, hw=16)  # 8 frames of 8 x 8 tokens: 512 video tokens
-
-
-def _densities(calls: list) -> list[float]:
-    return [float(counts.float().mean() / mask.shape[-1]) for mask, counts in calls]
-
-
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
-
-
-@pytest.mark.parametrize(("batch", "norms"), [(1, True), (2, True), (1, False)])
-def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(
-    batch: int, norms: bool, estimates: list
-) -> None:
-    """Sparse from step 1; with ``norms=False`` the sparse steps run diffusers' own q/k
-    norms and rotation, dense steps its own processor."""
-    model = tiny_hunyuan()
-    x = inputs(batch=batch, **SPARSE_VIDEO)
-    later = {**x, "timestep": torch.tensor([400] * batch)}
-    ref, ref_later = run(model, **x), run(model, **later)
-    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
-    report = ditops.patch(model, precision="exact", norms=norms, attention=cfg)
-    summary = report.models["HunyuanVideoTransformer3DModel"]
-    assert summary["sparse self-attentions"] == 4
-    assert summary.get("fused blocks", 0) == (4 if norms else 0)
-    assert torch.equal(run(model, "cond", **x), ref)  # step 0: dense, bitwise
-    assert estimates == []
-    sparse = run(model, "cond", **later)  # step 1 (its timestep is lower): sparse
-    assert model._ditops_steps.current() == 1
-    assert len(estimates) == 4 * batch  # every block, every sample
-    # the density asked, to within one block of a row (33 key blocks)
-    assert all(abs(d - 0.5) <= 1 / 33 for d in _densities(estimates)), _densities(estimates)
-    assert not torch.equal(sparse, ref_later)
-    cos = torch.nn.functional.cosine_similarity(
-        sparse.float().flatten(), ref_later.float().flatten(), 0
-    )
-    assert cos > 0.99, cos
-    # the same timestep again: a new pipeline call, step 0, dense
-    assert torch.equal(run(model, "cond", **x), ref)
-
-
-def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """fp32, the estimate replaced by one keeping every block: the split by queries, the
-    text keys first and the padded ones left out give the unpatched model's attention
-    (within fp32 attention's tolerance); padded text that changes changes nothing."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    shapes = []
-
-    def keep_all(self, q, k, *, layout, scale, **_):
-        assert layout == "BSND"
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        shapes.append((lq, lk))
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
-    model = tiny_hunyuan(torch.float32)
-    x = inputs(torch.float32, batch=2, **SPARSE_VIDEO)
-    ref = run(model, **x)
-    ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
-    out = run(model, "cond", **x)
-    # per block, sample 0 then 1: 512 video queries over 4 and 2 valid text keys + video
-    assert shapes == [(512, 516), (512, 514)] * 4
-    assert max_rel_err(out, ref) < 1e-5
-    padded = x["encoder_attention_mask"] == 0
-    noisy = x["encoder_hidden_states"].masked_fill(padded[..., None], 7.0)
-    assert torch.equal(run(model, "cond", **{**x, "encoder_hidden_states": noisy}), out)
-
-
-def test_steps_counted_per_branch_and_masks_reused(estimates: list) -> None:
-    """A loop as HunyuanVideoPipeline's with true CFG: cache_context("cond") then
-    ("uncond"), no step index, timesteps falling; estimate_every=2 estimates at sparse
-    steps 1 and 3 per branch; a second pipeline call starts again."""
-    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
-    cfg = BlockSparseConfig(
-        sparsity=0.5, skip_first_steps=1, block_size=16, stride=4, estimate_every=2
-    )
-    ditops.patch(model, attention=cfg)
-    x = inputs(frames=4, hw=16)
-    steps = model._ditops_steps
-    seen = []
-    for _call in range(2):
-        for i in range(4):
-            for name in ("cond", "uncond"):
-                before = len(estimates)
-                run(model, name, **{**x, "timestep": torch.tensor([900 - 100 * i])})
-                seen.append((steps.counted, name, len(estimates) - before))
-    one_call = [(i, n, 2 if i in (1, 3) else 0) for i in range(4) for n in ("cond", "uncond")]
-    assert seen == one_call * 2
-
-
-def test_sparse_refuses_a_mask_on_video_keys() -> None:
-    from ditops.integrations.hunyuan_video.attention import _text_keys_kept
-
-    mask = torch.ones(1, 1, 1, 10, dtype=torch.bool)
-    assert _text_keys_kept(mask, 1, 10, 6, mask.device).shape == (1, 4)
-    mask[..., 2] = False
-    with pytest.raises(ValueError, match="masks video keys"):
-        _text_keys_kept(mask, 1, 10, 6, mask.device)
-    with pytest.raises(ValueError, match="boolean key mask"):
-        _text_keys_kept(mask.float(), 1, 10, 6, mask.device)
-
-
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (CPU tensors through Triton's interpreter,
-    dispatched as CUDA; strict: a fall back would raise), fast precision, against the
-    unpatched model: the GPU code path, diffusers' RMSNorm convention included."""
-    from ditops import config
-    from ditops.custom_op import reset_state
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-    from tests.integrations.spies import install_spies
-
-    model = tiny_hunyuan(num_layers=1, num_single_layers=1)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            ops = (adaln.AdaLNModulateOp, adaln.AdaLNResidualModulateOp, adaln.AdaLNResidualOp,
-                   qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)  # fmt: skip
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
-    assert used == {
+    test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    life = LIFE
+    hooked = ("transformer_blocks.1.norm2", 3)
+    exact_cases = batches(("fp32", 1), ("fp32", 2), ("bf16", 1), ("bf16", 2), ("fp16", 2))
+    fused = FLUX_FUSED
+    cpu_calls = FUSED_CALLS
+    fast_case = {"batch": 2}
+    triton_ops = HUNYUAN_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = {
         "adaln_modulate": 2 + 1 + 1,
         "adaln_residual_modulate": 2,
         "adaln_residual": 2 + 1,
         "qk_norm_rope": 2,
         "rms_norm": 4,
     }
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [block.attn.norm_q.weight for block in model.transformer_blocks]
 
-def test_sparse_under_context_parallelism_is_refused_at_patch() -> None:
-    """diffusers gives HunyuanVideo no context-parallel plan: sparse attention over
-    processors that carry a parallel config is refused when patching (it used to fail at
-    the first sparse step), changing nothing; the dense patch is still served."""
-    model = tiny_hunyuan()
-    for module in model.modules():
-        proc = getattr(module, "processor", None)
-        if proc is not None and hasattr(proc, "_parallel_config"):
-            proc._parallel_config = object()  # a stand-in for what enable_parallelism writes
-    with pytest.raises(PatchError, match="sparse attention under context parallelism"):
-        ditops.patch(model, attention=BlockSparseConfig(sparsity=0.5))
-    assert not hasattr(model, "_ditops_patch")
-    assert ditops.patch(model).models["HunyuanVideoTransformer3DModel"]["fused blocks"] == 4
+    def small(self) -> Life:
+        make = functools.partial(tiny_hunyuan, num_layers=1, num_single_layers=1)
+        return replace(LIFE, make=make)

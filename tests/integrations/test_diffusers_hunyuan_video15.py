@@ -7,17 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers import HunyuanVideo15Transformer3DModel
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.family_life import DTYPES
 from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import HunyuanVideo15Transformer3DModel  # noqa: E402
 
 TINY = dict(
     in_channels=4,
@@ -34,7 +31,6 @@ TINY = dict(
     image_embed_dim=8,
     rope_axes_dim=(4, 6, 6),
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_model(dtype: torch.dtype = torch.bfloat16) -> nn.Module:
@@ -121,25 +117,18 @@ def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
 SPARSE_VIDEO = dict(frames=8, hw=8)  # 512 video tokens
 
 
-def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise() -> None:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    try:
-        model = tiny_model()
-        x = inputs(batch=2, **SPARSE_VIDEO)
-        later = {**x, "timestep": torch.tensor([400, 400]).bfloat16()}
-        ref, ref_later = run(model, **x), run(model, **later)
-        cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
-        ditops.patch(model, precision="exact", attention=cfg)
-        assert torch.equal(run(model, "pred_cond", **x), ref)
-        assert calls == []
-        sparse = run(model, "pred_cond", **later)
-    finally:
-        hook.remove()
-    assert len(calls) == 2 * 2  # 2 blocks, 2 samples
-    densities = [float(counts.float().mean() / mask.shape[-1]) for mask, counts in calls]
+def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise(estimates: list) -> None:
+    model = tiny_model()
+    x = inputs(batch=2, **SPARSE_VIDEO)
+    later = {**x, "timestep": torch.tensor([400, 400]).bfloat16()}
+    ref, ref_later = run(model, **x), run(model, **later)
+    cfg = BlockSparseConfig(sparsity=0.5, skip_first_steps=1, block_size=16, stride=4)
+    ditops.patch(model, precision="exact", attention=cfg)
+    assert torch.equal(run(model, "pred_cond", **x), ref)
+    assert estimates == []
+    sparse = run(model, "pred_cond", **later)
+    assert len(estimates) == 2 * 2  # 2 blocks, 2 samples
+    densities = [float(counts.float().mean() / mask.shape[-1]) for mask, counts in estimates]
     assert all(abs(d - 0.5) <= 1 / 33 for d in densities), densities
     cos = torch.nn.functional.cosine_similarity(
         sparse.float().flatten(), ref_later.float().flatten(), 0
@@ -148,31 +137,18 @@ def test_sparse_density_asked_is_run_and_dense_steps_are_bitwise() -> None:
 
 
 def test_sparse_path_with_every_block_kept_is_the_masked_dense_attention(
-    monkeypatch: pytest.MonkeyPatch,
+    every_block_kept: list,
 ) -> None:
     """fp32, the estimate replaced by one keeping every block: the padded text left out
     of the video rows' keys, the text rows with their rows of the [N, N] mask, give the
     unpatched model's attention within fp32 attention's tolerance."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    lengths = []
-
-    def keep_all(self, q, k, *, layout, scale, **_):
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        lengths.append(lk - lq)
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
     model = tiny_model(torch.float32)
     x = inputs(torch.float32, batch=2, i2v=True, **SPARSE_VIDEO)
     ref = run(model, **x)
     ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
     out = run(model, "pred_cond", **x)
     # kept text keys: 2 image + 2 ByT5 + 4 MLLM tokens (sample 0), + 2 MLLM (sample 1)
-    assert lengths == [8, 6] * 2
+    assert [kept.lk - kept.lq for kept in every_block_kept] == [8, 6] * 2
     assert float((out - ref).abs().max() / ref.abs().max()) < 1e-5
 
 

@@ -12,36 +12,16 @@ import math
 
 import pytest
 import torch
+from diffusers import HunyuanVideoFramepackTransformer3DModel
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
+from tests.integrations import test_diffusers_hunyuan_video as hv
 from tests.integrations.spies import HUNYUAN_OPS, cpu_paths_of
 
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import HunyuanVideoFramepackTransformer3DModel  # noqa: E402
-
-TINY = dict(
-    in_channels=4,
-    out_channels=4,
-    num_attention_heads=2,
-    attention_head_dim=16,
-    num_layers=2,
-    num_single_layers=2,
-    num_refiner_layers=1,
-    mlp_ratio=2.0,
-    patch_size=2,
-    patch_size_t=1,
-    text_embed_dim=16,
-    pooled_projection_dim=8,
-    rope_axes_dim=(4, 6, 6),
-    guidance_embeds=True,
-    has_image_proj=True,
-    image_proj_dim=12,
-    has_clean_x_embedder=True,
-)
+#: HunyuanVideo's tiny model (test_diffusers_hunyuan_video.py) with Framepack's parts.
+TINY = dict(hv.TINY, has_image_proj=True, image_proj_dim=12, has_clean_x_embedder=True)
 TEXT, IMAGE = 7, 3
 NAME = "HunyuanVideoFramepackTransformer3DModel"
 

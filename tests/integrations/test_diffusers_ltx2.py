@@ -19,18 +19,15 @@ import pickle
 
 import pytest
 import torch
+from diffusers import LTX2VideoTransformer3DModel
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
+from tests.integrations.family_life import DTYPES
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import LTX2VideoTransformer3DModel  # noqa: E402
 
 # fast precision: as LTX-Video's (bf16/fp16 activations through 2 blocks).
 FAST_REL_TOL = 2e-2
@@ -53,7 +50,6 @@ TINY = dict(
     caption_channels=12,
 )
 TEXT, AUDIO = 7, 10
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_ltx2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -273,16 +269,6 @@ def test_compile_fullgraph_without_recompiles() -> None:
 
 
 # --- sparse video self-attention -------------------------------------------------------------
-
-
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
 
 
 def _densities(calls: list) -> list[float]:

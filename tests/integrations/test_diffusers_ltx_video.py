@@ -11,24 +11,27 @@ self-attention: test_diffusers_ltx_video_sparse.py.
 
 from __future__ import annotations
 
-import copy
-import io
-import pickle
+import functools
+from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import LTXVideoTransformer3DModel
+from diffusers.models import normalization
+from diffusers.models.transformers import transformer_ltx as tl
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
 from ditops.integrations import PatchError
-from tests.integrations.spies import cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    changed,
+    refused_whole,
+    setting,
 )
-from diffusers import LTXVideoTransformer3DModel  # noqa: E402
+from tests.integrations.spies import cpu_paths_of
 
 # fast precision: the patched model against the unpatched one, relative to the output's
 # scale (bf16/fp16 activations through 2 blocks: a few ulps of the dtype).
@@ -44,7 +47,6 @@ TINY = dict(
     caption_channels=12,
 )
 TEXT = 7
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 LTX_OPS = ("rms_norm", "adaln_residual", "qk_norm_rope")
 
 
@@ -97,30 +99,6 @@ def run(model: nn.Module, step: int | None = None, name: str = "cond", **kw) -> 
 cpu_paths = cpu_paths_of(*LTX_OPS)  # counts the calls reaching each op's forward_cpu
 
 
-@pytest.mark.parametrize(
-    ("dtype", "batch", "per_token"),
-    [("fp32", 1, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, False)],
-)
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, per_token: bool, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_ltx(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch, per_token=per_token)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models["LTXVideoTransformer3DModel"] == {
-        "fused blocks": 2,
-        "fused attention prologues": 2,
-    }
-    assert torch.equal(run(model, **x), ref)
-    # per forward, 2 blocks: norm1 and norm2, two gated residuals, one prologue each
-    assert cpu_paths == {"rms_norm": 4, "adaln_residual": 4, "qk_norm_rope": 2}
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn1.processor).__name__ == "LTXVideoAttnProcessor"
-    assert torch.equal(run(model, **x), ref)
-
-
 def test_norms_with_weights_are_bitwise_too(cpu_paths: dict[str, int]) -> None:
     model = tiny_ltx(torch.float32, norm_elementwise_affine=True)
     with torch.no_grad():
@@ -133,17 +111,6 @@ def test_norms_with_weights_are_bitwise_too(cpu_paths: dict[str, int]) -> None:
     ditops.patch(model, precision="exact")
     assert torch.equal(run(model, **x), ref)
     assert cpu_paths["rms_norm"] == 4
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_ltx(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_hooks_on_a_bypassed_norm_or_a_q_norm_run_diffusers_code() -> None:
@@ -205,78 +172,6 @@ def test_other_processors_are_kept_but_refused_with_sparse_attention() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
-@pytest.mark.parametrize(
-    ("target", "name", "fragment"),
-    [
-        ("transformer_ltx", "apply_rotary_emb", r"transformer_ltx.apply_rotary_emb of diffusers"),
-        ("normalization", "RMSNorm.forward", r"RMSNorm.forward of diffusers"),
-        ("transformer_ltx", "LTXVideoTransformerBlock.forward", r"forward \(fingerprint"),
-        ("transformer_ltx", "LTXVideoAttnProcessor.__call__", r"__call__ \(fingerprint"),
-    ],
-)
-def test_a_changed_diffusers_function_is_refused(
-    monkeypatch: pytest.MonkeyPatch, target: str, name: str, fragment: str
-) -> None:
-    import importlib
-
-    module = importlib.import_module(
-        f"diffusers.models.{'transformers.' if target != 'normalization' else ''}{target}"
-    )
-    owner, _, attr = name.rpartition(".")
-    holder = getattr(module, owner) if owner else module
-    original = getattr(holder, attr)
-
-    def changed(*args, **kwargs):
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(holder, attr, changed)
-    model = tiny_ltx()
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-
-
-def test_q_and_k_norms_of_two_eps_are_refused() -> None:
-    model = tiny_ltx()
-    model.transformer_blocks[0].attn1.norm_k.eps = 1e-3
-    with pytest.raises(PatchError, match=r"attn1.norm_q and norm_k have different eps"):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-
-
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_pickle_and_repatch() -> None:
-    model = tiny_ltx()
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="exact")
-    twin = copy.deepcopy(model)
-    with torch.no_grad():
-        twin.transformer_blocks[0].attn1.norm_q.weight.mul_(0.5)
-    changed = run(twin, **x)
-    assert not torch.equal(changed, ref)  # the copy runs its own weights
-    assert torch.equal(run(model, **x), ref)  # the original is untouched
-    ditops.unpatch(twin)
-    assert torch.equal(run(twin, **x), changed)
-    buf = io.BytesIO()
-    torch.save(model, buf)
-    buf.seek(0)
-    loaded = torch.load(buf, weights_only=False)
-    assert torch.equal(run(loaded, **x), ref)
-    assert pickle.loads(pickle.dumps(model))._ditops_patch.options == model._ditops_patch.options
-    ditops.patch(model, precision="fast")
-    fast = run(model, **x)
-    assert not torch.equal(fast, ref)  # fast rounds once: some bits differ
-    ditops.patch(model, precision="exact")
-    assert torch.equal(run(model, **x), ref)
-    report = ditops.patch(model, norms=False)
-    assert report.models["LTXVideoTransformer3DModel"] == {}
-    assert "forward" not in vars(model.transformer_blocks[0])
-
-
 def test_first_block_cache_in_both_orders() -> None:
     from diffusers import FirstBlockCacheConfig
 
@@ -298,45 +193,67 @@ def test_first_block_cache_in_both_orders() -> None:
     assert all(torch.equal(a, b) for a, b in zip(steps(hook_first), want))
 
 
-@pytest.mark.slow
-def test_compile_fullgraph_without_recompiles() -> None:
-    """The patched model compiled whole before any eager call, fullgraph, aot_eager
-    (dynamo and AOT tracing through the kernels' fake implementations); no recompile on
-    the second call; bitwise the unpatched model."""
-    torch._dynamo.reset()
-    x = inputs()
-    model = tiny_ltx(num_layers=1)
+LIFE = Life(
+    make=tiny_ltx,
+    inputs=lambda: inputs(batch=2),
+    run=run,
+    attn="attn1",
+    processor=tl.LTXVideoAttnProcessor,
+    cases=inputs,
+)
+
+
+@pytest.mark.parametrize(
+    ("change", "fragment"),
+    [
+        (changed(tl, "apply_rotary_emb"), r"transformer_ltx.apply_rotary_emb of diffusers"),
+        (changed(normalization.RMSNorm, "forward"), r"RMSNorm.forward of diffusers"),
+        (changed(tl.LTXVideoTransformerBlock, "forward"), r"forward \(fingerprint"),
+        (changed(tl.LTXVideoAttnProcessor, "__call__"), r"__call__ \(fingerprint"),
+        (
+            setting("transformer_blocks.0.attn1.norm_k", "eps", 1e-3),
+            r"attn1.norm_q and norm_k have different eps",
+        ),
+    ],
+    ids=["rotary", "rms_norm", "block", "processor", "qk_eps"],
+)
+def test_models_it_was_not_written_for_are_refused_whole(
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    refused_whole(LIFE, change, fragment, monkeypatch)
+
+
+def test_patching_again_with_norms_false_unfuses_the_blocks() -> None:
+    model = tiny_ltx()
     ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    with torch._dynamo.config.patch(error_on_recompile=True):
-        first = run(compiled, **x)
-        again = run(compiled, **x)
-    torch._dynamo.reset()
-    assert torch.equal(first, again)
-    assert torch.equal(first, run(tiny_ltx(num_layers=1), **x))
+    report = ditops.patch(model, norms=False)
+    assert report.models["LTXVideoTransformer3DModel"] == {}
+    assert "forward" not in vars(model.transformer_blocks[0])
 
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The patched model with every fused op on its Triton path (CPU tensors through
-    Triton's interpreter, dispatched as CUDA; strict: a fall back would raise), fast
-    precision, against the unpatched model; attention itself runs diffusers' SDPA."""
-    from ditops import config
-    from ditops.custom_op import reset_state
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-    from tests.integrations.spies import install_spies
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): parity, deep copies,
+    pickling, patching again, compile first and the Triton paths (one block; attention
+    itself runs diffusers' SDPA). LTX-Video serves sparse attention
+    (test_diffusers_ltx_video_sparse.py)."""
 
-    model = tiny_ltx(num_layers=1)
-    x = inputs(batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    reset_state()
-    try:
-        with ditops.force_device_kind({"cpu": "cuda"}), config.override(strict=True):
-            ops = (qk_norm_rope.RMSNormOp, adaln.AdaLNResidualOp, qk_norm_rope.QKNormRopeOp)
-            used = install_spies(monkeypatch, ops, "forward_cuda")
-            out = run(model, **x)
-    finally:
-        reset_state()
-    assert used == {"rms_norm": 2, "adaln_residual": 2, "qk_norm_rope": 1}
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
+    test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    life = LIFE
+    exact_cases = [
+        (d, {"batch": b, "per_token": p})
+        for d, b, p in [("fp32", 1, False), ("bf16", 1, False)]
+        + [("bf16", 2, True), ("fp16", 2, False)]
+    ]
+    fused = {"fused blocks": 2, "fused attention prologues": 2}
+    # per forward, 2 blocks: norm1 and norm2, two gated residuals, one prologue each
+    cpu_calls = {"rms_norm": 4, "adaln_residual": 4, "qk_norm_rope": 2}
+    fast_case = {"batch": 2}
+    triton_ops = LTX_OPS
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = {"rms_norm": 2, "adaln_residual": 2, "qk_norm_rope": 1}
+
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [model.transformer_blocks[0].attn1.norm_q.weight]
+
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_ltx, num_layers=1))

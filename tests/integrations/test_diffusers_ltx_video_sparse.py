@@ -53,16 +53,6 @@ def test_sparse_compiles_fullgraph_with_a_step_index() -> None:
 SPARSE_VIDEO = dict(frames=4, hw=8)  # 4 frames of 8 x 8 tokens: 256, 16 key blocks of 16
 
 
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
-
-
 def _densities(calls: list) -> list[float]:
     return [float(counts.float().mean() / mask.shape[-1]) for mask, counts in calls]
 

@@ -13,32 +13,28 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections.abc import Iterator
 
+import diffusers
 import pytest
 import torch
+from diffusers import MochiTransformer3DModel
+from diffusers.models import attention_processor as ap
+from diffusers.models.transformers import transformer_mochi as tm
 from torch import nn
 
 import ditops
 from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations import PatchError
-from tests.integrations.family_checks import assert_refused_whole, cached_steps
-from tests.integrations.family_life import fresh_process  # noqa: F401 (a fixture)
-from tests.integrations.lifecycle import (
-    change_source,
-    check_deep_copy,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    FamilyContract,
+    Life,
+    cached_steps,
+    changed,
+    first_output,
+    refused_whole,
+    setting,
 )
 from tests.integrations.spies import cpu_paths_of
 from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import MochiTransformer3DModel  # noqa: E402
-from diffusers.models import attention_processor as ap  # noqa: E402
-from diffusers.models.transformers import transformer_mochi as tm  # noqa: E402
 
 FAST_REL_TOL = 2e-2
 NAME = "MochiTransformer3DModel"
@@ -54,7 +50,6 @@ TINY = dict(
     max_sequence_length=16,
 )
 TEXT = 9
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_mochi(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -79,9 +74,7 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 2, empty: bool = Fa
     }
 
 
-def run(model: nn.Module, **kw: object) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(**kw, return_dict=False)[0]
+run = first_output
 
 
 cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
@@ -91,38 +84,6 @@ cpu_paths = cpu_paths_of("adaln_modulate", "qk_norm_rope", "rms_norm")
 #: video prologue; the output norm.
 PER_FORWARD = {"rms_norm": 8 + 5 + 2 * 2, "qk_norm_rope": 2, "adaln_modulate": 1}
 FUSED = {"fused blocks": 2, "fused attention prologues": 2, "fused output norm": 1}
-
-
-@pytest.mark.parametrize(
-    ("dtype", "batch", "empty"),
-    [("fp32", 2, False), ("bf16", 1, False), ("bf16", 2, True), ("fp16", 2, False)],
-)
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, empty: bool, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_mochi(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch, empty)
-    ref = run(model, **x)
-    assert ditops.patch(model, precision="exact").models[NAME] == FUSED
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == PER_FORWARD
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == {k: 2 * n for k, n in PER_FORWARD.items()}
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[1].attn1.processor) is ap.MochiAttnProcessor2_0
-    assert torch.equal(run(model, **x), ref)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_mochi(DTYPES[dtype])
-    x = inputs(DTYPES[dtype])
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
 
 
 def test_tables_in_another_dtype() -> None:
@@ -193,69 +154,73 @@ def test_a_hook_on_a_bypassed_norm_runs_the_block_unfused(
     assert cpu_paths["rms_norm"] == 2 * PER_FORWARD["rms_norm"] - fewer
 
 
-@pytest.mark.parametrize(
-    ("owner", "name", "fragment"),
-    [
-        (
-            tm.MochiTransformerBlock,
-            "forward",
-            r"transformer_blocks\[0\] is a MochiTransformerBlock",
-        ),
-        (ap.MochiAttnProcessor2_0, "__call__", r"attn1.processor .*differs from the versions"),
-        (tm.MochiModulatedRMSNorm, "forward", r"MochiModulatedRMSNorm.forward of diffusers"),
-        (diffusers.models.normalization.MochiRMSNorm, "forward", r"MochiRMSNorm.forward of"),
-    ],
-    ids=["block", "processor", "modulated_norm", "qk_norm"],
+LIFE = Life(
+    make=tiny_mochi,
+    inputs=inputs,
+    attn="attn1",
+    processor=ap.MochiAttnProcessor2_0,
+    cases=inputs,
 )
-def test_a_changed_diffusers_function_is_refused(
-    monkeypatch: pytest.MonkeyPatch, owner: object, name: str, fragment: str
-) -> None:
-    change_source(monkeypatch, owner, name)
-    model = tiny_mochi()
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn1.processor) is ap.MochiAttnProcessor2_0
 
 
 class MyProcessor(ap.MochiAttnProcessor2_0):
     pass
 
 
+def _own_processor(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
+    monkeypatch.setattr(model.transformer_blocks[0].attn1, "processor", MyProcessor())
+
+
+SPARSE = {"attention": BlockSparseConfig(sparsity=0.5)}
+
+
 @pytest.mark.parametrize(
     ("change", "options", "fragment"),
     [
         (
-            lambda m: setattr(m.transformer_blocks[0].attn1, "processor", MyProcessor()),
-            {"attention": BlockSparseConfig(sparsity=0.5)},
+            changed(tm.MochiTransformerBlock, "forward"),
+            {},
+            r"transformer_blocks\[0\] is a MochiTransformerBlock",
+        ),
+        (
+            changed(ap.MochiAttnProcessor2_0, "__call__"),
+            {},
+            r"attn1.processor .*differs from the versions",
+        ),
+        (
+            changed(tm.MochiModulatedRMSNorm, "forward"),
+            {},
+            r"MochiModulatedRMSNorm.forward of diffusers",
+        ),
+        (
+            changed(diffusers.models.normalization.MochiRMSNorm, "forward"),
+            {},
+            r"MochiRMSNorm.forward of",
+        ),
+        (
+            _own_processor,
+            SPARSE,
             r"transformer_blocks\[0\].attn1.processor is a MyProcessor, not MochiAttnProcessor2_0",
         ),
         (
-            lambda m: setattr(m.transformer_blocks[1].attn1.norm_k, "eps", 1e-3),
+            setting("transformer_blocks.1.attn1.norm_k", "eps", 1e-3),
             {},
             r"transformer_blocks\[1\].attn1.norm_q and norm_k differ in eps",
         ),
     ],
-    ids=["sparse_with_a_processor_of_yours", "qk_eps"],
+    ids=[
+        "block",
+        "processor",
+        "modulated_norm",
+        "qk_norm",
+        "sparse_with_a_processor_of_yours",
+        "qk_eps",
+    ],
 )
 def test_models_it_was_not_written_for_are_refused_whole(
-    change, options: dict, fragment: str
+    change, options: dict, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    model = tiny_mochi()
-    change(model)
-    assert_refused_whole(model, run, inputs(), fragment, **options)
-
-
-# --- a patched model's life -------------------------------------------------------------------
-
-
-def test_deep_copy_pickle_and_patching_again() -> None:
-    def halve(twin: nn.Module) -> None:
-        twin.transformer_blocks[0].attn1.norm_q.weight.mul_(0.5)
-
-    check_deep_copy(tiny_mochi(), inputs(), run, halve)
-    check_pickles_and_patches_again(tiny_mochi(), inputs(), run)
+    refused_whole(LIFE, change, fragment, monkeypatch, **options)
 
 
 #: Three steps' timesteps, two samples each.
@@ -285,28 +250,36 @@ def test_first_block_cache_in_both_orders() -> None:
         assert all(torch.equal(a, b) for a, b in zip(_fbc_run(model, x), want))
 
 
-@pytest.mark.slow
-@pytest.mark.usefixtures("fresh_process")
-def test_compile_matches_eager() -> None:
-    """torch.compile (aot_eager) of the patched model, before any eager call. Not
-    fullgraph: Mochi's attention picks each sample's text tokens with ``nonzero`` (a
-    data-dependent shape), a graph break unpatched too; the fused blocks trace."""
-    x = inputs()
-    model = tiny_mochi()
-    ditops.patch(model, precision="exact")
-    compiled = torch.compile(model, backend="aot_eager")
-    assert torch.equal(run(compiled, **x), run(tiny_mochi(), **x))
+class TestContract(FamilyContract):
+    """A patched model's life (tests/integrations/family_life.py): deep copies, pickling,
+    patching again, compile first (not fullgraph: Mochi's attention picks each sample's
+    text tokens with ``nonzero``, a data-dependent shape, a graph break unpatched too; the
+    fused blocks trace), the Triton paths (the RMSNorms without weight in fp32, the
+    prologue with the heads as the op's batch). Mochi serves sparse attention (below)."""
 
+    test_sparse_attention_is_refused_naming_the_families_that_serve_it = None
+    life = LIFE
+    exact_cases = [
+        (d, {"batch": b, "empty": e})
+        for d, b, e in (
+            ("fp32", 2, False),
+            ("bf16", 1, False),
+            ("bf16", 2, True),
+            ("fp16", 2, False),
+        )
+    ]
+    fused = FUSED
+    cpu_calls = PER_FORWARD
+    triton_ops = ("adaln_modulate", "qk_norm_rope", "rms_norm")
+    triton_tolerance = FAST_REL_TOL
+    triton_calls = PER_FORWARD
+    fullgraph = False
 
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (interpreter, strict): the RMSNorms without
-    weight in fp32, the prologue with the heads as the op's batch."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [model.transformer_blocks[0].attn1.norm_q.weight]
 
-    ops = (adaln.AdaLNModulateOp, qk_norm_rope.QKNormRopeOp, qk_norm_rope.RMSNormOp)
-    used = check_triton_paths(monkeypatch, tiny_mochi(), inputs(), run, ops, FAST_REL_TOL)
-    assert used == PER_FORWARD
+    def small(self) -> Life:
+        return LIFE
 
 
 # --- sparse attention ------------------------------------------------------------------------
@@ -322,16 +295,6 @@ def sparse_inputs(dtype: torch.dtype = torch.bfloat16) -> dict:
     x = inputs(dtype)
     x["hidden_states"] = torch.randn(2, 4, 8, 16, 16, generator=g).to(dtype)
     return x
-
-
-@pytest.fixture
-def estimates() -> Iterator[list]:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
 
 
 @pytest.mark.parametrize("norms", [True, False], ids=["fused", "norms_false"])
@@ -372,25 +335,12 @@ def _guided(model: nn.Module, x: dict) -> torch.Tensor:
 
 
 def test_sparse_path_with_every_block_kept_is_mochis_attention(
-    monkeypatch: pytest.MonkeyPatch,
+    every_block_kept: list,
 ) -> None:
     """fp32, the estimate replaced by one keeping every block: the split by queries, the
     kept text keys first and the padded ones left out give Mochi's attention (fp32
     attention's tolerance), padded text made huge so that any use of it would show; the
     leading dense blocks cover the kept text and the first frame."""
-    from ditops.attention.block_mask import num_blocks
-    from ditops.layers.sparse_attention import BlockSparseAttention
-
-    seen = []
-
-    def keep_all(self, q, k, *, layout, scale, dense_blocks, **_):
-        (b, lq, h, _), lk = q.shape, k.shape[1]
-        seen.append((lq, lk, dense_blocks))
-        qb, kb = num_blocks(lq, 16), num_blocks(lk, 16)
-        mask = torch.ones(b, h, qb, kb, dtype=torch.int8)
-        return mask, torch.full((b, h, qb), kb, dtype=torch.int32)
-
-    monkeypatch.setattr(BlockSparseAttention, "_estimate", keep_all)
     model = tiny_mochi(torch.float32)
     x = sparse_inputs(torch.float32)
     x["encoder_hidden_states"][1, 5:] *= 1e3  # the second sample's padded text
@@ -398,9 +348,10 @@ def test_sparse_path_with_every_block_kept_is_mochis_attention(
     ditops.patch(model, precision="exact", attention=BlockSparseConfig(sparsity=0.5, block_size=16))
     with torch.inference_mode(), model.cache_context("cond", step_index=0):
         out = model(**x, return_dict=False)[0]
-    assert (
-        seen == [(VIDEO, VIDEO + 9, -(-(9 + 64) // 16)), (VIDEO, VIDEO + 5, -(-(5 + 64) // 16))] * 2
-    )
+    assert [kept[:3] for kept in every_block_kept] == [
+        (VIDEO, VIDEO + 9, -(-(9 + 64) // 16)),
+        (VIDEO, VIDEO + 5, -(-(5 + 64) // 16)),
+    ] * 2
     assert max_rel_err(out, ref) < 1e-5
 
 

@@ -16,23 +16,22 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import QwenImageTransformer2DModel
+from diffusers.models.transformers import transformer_qwenimage as tq
 from torch import nn
 
 import ditops
 from tests.integrations.family_life import (
+    DTYPES,
     FamilyContract,
+    HookContract,
     Life,
-    fresh_process,  # noqa: F401 (a fixture)
+    batches,
+    changed,
     refused_whole,
+    setting,
 )
 from tests.integrations.spies import FLUX_OPS, cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import QwenImageTransformer2DModel  # noqa: E402
-from diffusers.models.transformers import transformer_qwenimage as tq  # noqa: E402
 
 NAME = "QwenImageTransformer2DModel"
 FAST_REL_TOL = 2e-2  # bf16/fp16 activations through 2 blocks: a few ulps of the dtype
@@ -47,7 +46,6 @@ TINY = dict(
     axes_dims_rope=(4, 6, 6),
 )
 TEXT = 7  # an odd number of text tokens
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_qwen(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -97,27 +95,6 @@ PER_FORWARD = {
 }
 
 
-@pytest.mark.parametrize(("dtype", "batch"), [("fp32", 1), ("bf16", 2), ("fp16", 2)])
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(
-    dtype: str, batch: int, cpu_paths: dict[str, int]
-) -> None:
-    model = tiny_qwen(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=batch)
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME] == {
-        "fused blocks": 2,
-        "fused attention prologues": 2,
-        "fused output norm": 1,
-    }
-    assert torch.equal(run(model, **x), ref)
-    assert cpu_paths == PER_FORWARD
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor) is tq.QwenDoubleStreamAttnProcessor2_0
-    assert torch.equal(run(model, **x), ref)
-
-
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_zero_cond_t_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict) -> None:
     """The edit models: ``zero_cond_t`` (a second, zero timestep; the reference image's
@@ -128,19 +105,6 @@ def test_zero_cond_t_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict
     ditops.patch(model, precision="exact")
     assert torch.equal(run(model, **x), ref)
     assert cpu_paths == PER_FORWARD
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_qwen(DTYPES[dtype])
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-    if DTYPES[dtype] == torch.float32:  # fp32 takes the exact paths
-        assert torch.equal(out, ref)
 
 
 def test_layered_model_without_a_text_mask(cpu_paths: dict) -> None:
@@ -168,20 +132,6 @@ def test_exact_off_the_cpu_runs_diffusers_processor() -> None:
     tables = model.pos_embed([(1, 2, 3)], max_txt_seq_len=TEXT, device=torch.device("cpu"))
     assert processor(attn, h, c, image_rotary_emb=tables) == "original"
     assert len(called) == 1
-
-
-def test_a_hook_on_a_bypassed_norm_runs_that_block_unfused() -> None:
-    model = tiny_qwen()
-    x = inputs()
-    seen: list[int] = []
-    model.transformer_blocks[1].txt_norm2.register_forward_hook(lambda *_: seen.append(1))
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME]["fused blocks"] == 1
-    assert report.unfused[NAME]["transformer_blocks.1"] == "txt_norm2 has a torch forward hook"
-    seen.clear()
-    assert torch.equal(run(model, **x), ref)
-    assert seen == [1]  # the hook still runs
 
 
 def test_a_hook_on_a_q_norm_keeps_diffusers_prologue(cpu_paths: dict) -> None:
@@ -245,45 +195,31 @@ LIFE = Life(
     inputs=lambda: inputs(batch=2),
     run=run,
     same=torch.equal,
-    block=lambda m: m.transformer_blocks[0],
-    attention=lambda m: m.transformer_blocks[0].attn,
     processor=tq.QwenDoubleStreamAttnProcessor2_0,
+    cases=inputs,
 )
-
-
-def _changed(owner: object, attr: str):
-    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-        original = getattr(owner, attr)
-
-        def changed(*args, **kwargs):
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, attr, changed)
-
-    return change
-
-
-def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.transformer_blocks[1].attn.norm_added_k, "eps", 1e-5)
 
 
 @pytest.mark.parametrize(
     ("change", "fragment"),
     [
         (
-            _changed(tq.QwenImageTransformerBlock, "forward"),
+            changed(tq.QwenImageTransformerBlock, "forward"),
             r"transformer_blocks\[0\] is a QwenImageTransformerBlock whose",
         ),
         (
-            _changed(tq.QwenImageTransformerBlock, "_modulate"),
+            changed(tq.QwenImageTransformerBlock, "_modulate"),
             r"QwenImageTransformerBlock._modulate of diffusers .* differs",
         ),
-        (_changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
+        (changed(tq, "apply_rotary_emb_qwen"), r"apply_rotary_emb_qwen of diffusers .* differs"),
         (
-            _changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
+            changed(tq.QwenDoubleStreamAttnProcessor2_0, "__call__"),
             r"attn.processor QwenDoubleStreamAttnProcessor2_0.__call__ \(",
         ),
-        (_eps, r"transformer_blocks\[1\].attn.norm_added_q/norm_added_k have different eps"),
+        (
+            setting("transformer_blocks.1.attn.norm_added_k", "eps", 1e-5),
+            r"transformer_blocks\[1\].attn.norm_added_q/norm_added_k have different eps",
+        ),
     ],
     ids=["block_forward", "modulate", "rotary", "processor", "qk_eps"],
 )
@@ -293,11 +229,17 @@ def test_models_it_was_not_written_for_are_refused_whole(
     refused_whole(LIFE, change, fragment, monkeypatch)
 
 
-class TestContract(FamilyContract):
+class TestContract(FamilyContract, HookContract):
     """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
     deep copies, pickling, patching again, compile first, the Triton paths."""
 
     life = LIFE
+    hooked = ("transformer_blocks.1.txt_norm2", 1)
+    exact_cases = batches(("fp32", 1), ("bf16", 2), ("fp16", 2))
+    fused = {"fused blocks": 2, "fused attention prologues": 2, "fused output norm": 1}
+    cpu_calls = PER_FORWARD
+    fast_case = {"batch": 2}
+    fast_fp32_is_exact = True
     triton_ops = FLUX_OPS
     triton_tolerance = FAST_REL_TOL
     triton_calls = {

@@ -11,28 +11,27 @@ models it must refuse.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import replace
+
 import pytest
 import torch
+from diffusers import SD3Transformer2DModel
+from diffusers.models import attention, normalization
+from diffusers.models.attention_processor import JointAttnProcessor2_0
 from torch import nn
 
 import ditops
-from ditops.attention.schedule import BlockSparseConfig
-from ditops.integrations import PatchError
-from tests.integrations.lifecycle import (
-    change_source,
-    check_compile_fullgraph,
-    check_deep_copy,
-    check_offload,
-    check_pickles_and_patches_again,
-    check_triton_paths,
+from tests.integrations.family_life import (
+    DTYPES,
+    FamilyContract,
+    Life,
+    OffloadContract,
+    changed,
+    first_output,
+    refused_whole,
 )
 from tests.integrations.spies import cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import SD3Transformer2DModel  # noqa: E402
 
 FAST_REL_TOL = 2e-2  # as FLUX's: bf16/fp16 activations through 3 blocks, a few ulps
 
@@ -52,7 +51,6 @@ TINY = dict(
 #: SD3.5: dual attention in the first block only (the second is SD3's, the third the last).
 SD35 = dict(dual_attention_layers=(0,), qk_norm="rms_norm")
 TEXT = 5
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_sd3(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> SD3Transformer2DModel:
@@ -75,9 +73,7 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
     }
 
 
-def run(model: nn.Module, **kw: torch.Tensor) -> torch.Tensor:
-    with torch.inference_mode():
-        return model(**kw, return_dict=False)[0]
+run = first_output
 
 
 cpu_paths = cpu_paths_of("adaln_modulate", "adaln_residual", "adaln_residual_modulate", "rms_norm")
@@ -143,42 +139,6 @@ def test_sd35_exact_is_bitwise_equal_and_unpatch_restores(
     assert torch.equal(run(model, **x), ref)
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_within_tolerance(dtype: str) -> None:
-    model = tiny_sd3(DTYPES[dtype], **SD35)
-    x = inputs(DTYPES[dtype], batch=2)
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    assert out.dtype == ref.dtype
-    assert max_rel_err(out, ref) <= FAST_REL_TOL
-
-
-def test_patched_model_on_the_triton_paths(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every fused op on its Triton path (tests/integrations/lifecycle.py), fast
-    precision, one dual-attention block and the last block."""
-    from ditops.ops import modulation_model_dtype as adaln
-    from ditops.ops import qk_norm_rope
-
-    ops = (
-        adaln.AdaLNModulateOp,
-        adaln.AdaLNResidualModulateOp,
-        adaln.AdaLNResidualOp,
-        qk_norm_rope.RMSNormOp,
-    )
-    used = check_triton_paths(
-        monkeypatch, tiny_sd3(num_layers=2, **SD35), inputs(batch=2), run, ops, FAST_REL_TOL
-    )
-    # modulations: 3 (dual: norm1 twice) + 2 + 1 (norm_out); residual+norm: 2 + 1 (the
-    # last block has no text MLP); residuals: 3 (dual: attn's) + 1; q/k norms: 4 + 2 + 4
-    assert used == {
-        "adaln_modulate": 6,
-        "adaln_residual_modulate": 3,
-        "adaln_residual": 4,
-        "rms_norm": 10,
-    }
-
-
 def test_processor_calls_match_the_original_in_values_and_strides() -> None:
     """Self-attention (attn2) and joint calls, directly: the same bits and the same
     layout as diffusers' processor, whose norms see the transposed view."""
@@ -220,8 +180,6 @@ def test_other_qk_norms_keep_the_processor_and_fuse_the_blocks() -> None:
 
 
 def test_other_processors_are_kept_and_the_blocks_still_fused() -> None:
-    from diffusers.models.attention_processor import JointAttnProcessor2_0
-
     class MyProcessor(JointAttnProcessor2_0):
         pass
 
@@ -298,38 +256,36 @@ def test_a_block_with_a_norm_of_another_kind_runs_diffusers_forward() -> None:
     assert torch.equal(run(model, **x), ref)
 
 
+LIFE = Life(
+    make=functools.partial(tiny_sd3, **SD35),
+    inputs=lambda: inputs(batch=2),
+    processor=JointAttnProcessor2_0,
+    cases=inputs,
+)
+
+
 @pytest.mark.parametrize(
-    ("where", "fragment"),
+    ("change", "fragment"),
     [
-        ("block", r"transformer_blocks\[0\] is a JointTransformerBlock whose forward"),
-        ("processor", r"JointAttnProcessor2_0.__call__ \(fingerprint \w+\) differs"),
-        ("norm", r"SD35AdaLayerNormZeroX.forward of diffusers .* differs"),
-        ("sparse", r"sparse attention is supported for WanTransformer3DModel.*not for SD3"),
+        (
+            changed(attention.JointTransformerBlock, "forward"),
+            r"transformer_blocks\[0\] is a JointTransformerBlock whose forward",
+        ),
+        (
+            changed(JointAttnProcessor2_0, "__call__"),
+            r"JointAttnProcessor2_0.__call__ \(fingerprint \w+\) differs",
+        ),
+        (
+            changed(normalization.SD35AdaLayerNormZeroX, "forward"),
+            r"SD35AdaLayerNormZeroX.forward of diffusers .* differs",
+        ),
     ],
+    ids=["block", "processor", "norm"],
 )
 def test_refused_whole_changing_nothing(
-    monkeypatch: pytest.MonkeyPatch, where: str, fragment: str
+    change, fragment: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from diffusers.models import attention, attention_processor, normalization
-
-    model = tiny_sd3(**SD35)
-    x = inputs()
-    ref = run(model, **x)
-    options = {}
-    if where == "block":
-        change_source(monkeypatch, attention.JointTransformerBlock, "forward")
-    elif where == "processor":
-        change_source(monkeypatch, attention_processor.JointAttnProcessor2_0, "__call__")
-    elif where == "norm":
-        change_source(monkeypatch, normalization.SD35AdaLayerNormZeroX, "forward")
-    else:
-        options = {"attention": BlockSparseConfig(sparsity=0.5)}
-    with pytest.raises(PatchError, match=fragment):
-        ditops.patch(model, **options)
-    assert not hasattr(model, "_ditops_patch")
-    assert "forward" not in vars(model.transformer_blocks[0])
-    assert type(model.transformer_blocks[0].attn.processor).__name__ == "JointAttnProcessor2_0"
-    assert torch.equal(run(model, **x), ref)
+    refused_whole(LIFE, change, fragment, monkeypatch)
 
 
 def test_norms_false_changes_nothing_but_records_the_patch() -> None:
@@ -338,39 +294,38 @@ def test_norms_false_changes_nothing_but_records_the_patch() -> None:
     assert "forward" not in vars(model.transformer_blocks[0])
 
 
-# --- a patched model's life -------------------------------------------------------------------
+class TestContract(FamilyContract, OffloadContract):
+    """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
+    deep copies, pickling, patching again, compile first, the Triton paths (one
+    dual-attention block and the last block), offload in both orders."""
 
+    life = LIFE
+    # its parity in exact precision: SD3.0 and SD3.5 above (SD3.5's attn2 shares a processor)
+    test_exact_patch_is_bitwise_equal_and_unpatch_restores = None
+    fast_case = {"batch": 2}
+    triton_ops = ("adaln_modulate", "adaln_residual_modulate", "adaln_residual", "rms_norm")
+    triton_tolerance = FAST_REL_TOL
+    # modulations: 3 (dual: norm1 twice) + 2 + 1 (norm_out); residual+norm: 2 + 1 (the
+    # last block has no text MLP); residuals: 3 (dual: attn's) + 1; q/k norms: 4 + 2 + 4
+    triton_calls = {
+        "adaln_modulate": 6,
+        "adaln_residual_modulate": 3,
+        "adaln_residual": 4,
+        "rms_norm": 10,
+    }
+    offload_fixtures = ("cpu_paths",)
 
-def _halve_q_norms(model: nn.Module) -> None:
-    for block in model.transformer_blocks:
-        block.attn.norm_q.weight.mul_(0.5)
+    def weights(self, model: nn.Module) -> list[torch.Tensor]:
+        return [block.attn.norm_q.weight for block in model.transformer_blocks]
 
+    def small(self) -> Life:
+        return replace(LIFE, make=functools.partial(tiny_sd3, num_layers=2, **SD35))
 
-def test_deep_copy_is_an_independent_patched_model() -> None:
-    check_deep_copy(tiny_sd3(**SD35), inputs(), run, _halve_q_norms)
-
-
-def test_patched_model_pickles_and_patches_again() -> None:
-    check_pickles_and_patches_again(tiny_sd3(**SD35), inputs(batch=2), run)
-
-
-@pytest.mark.slow
-def test_compile_fullgraph_without_recompiles() -> None:
-    """The patched model compiled before any eager call, fullgraph, no recompile, bitwise
-    the unpatched model (tests/integrations/lifecycle.py)."""
-    check_compile_fullgraph(lambda: tiny_sd3(num_layers=2, **SD35), inputs(), run)
-
-
-@pytest.mark.parametrize("mode", ["model", "sequential", "group-block", "group-leaf"])
-@pytest.mark.parametrize("order", ["offload-first", "patch-first"])
-def test_offload_gives_the_unpatched_model_under_the_same_offload(
-    mode: str, order: str, tmp_path, cpu_paths: dict[str, int]
-) -> None:
-    """As tests/integrations/test_offload.py for FLUX: the blocks stay fused under every
-    mode (the norms they bypass hold no parameters, so no offload hooks them); under
-    sequential and leaf-level offload the q/k norms (weights) carry hooks and the
-    processors run diffusers' code, the norms onloaded by their hooks. Bitwise."""
-    places = check_offload(lambda: tiny_sd3(**SD35), inputs(), run, mode, order, tmp_path)
-    assert all(places[f"transformer_blocks.{i}"] == "fused" for i in range(3)), places
-    hooked = mode in ("sequential", "group-leaf")
-    assert cpu_paths.get("rms_norm", 0) == (0 if hooked else 3 * 4 + 2)
+    def offloaded(self, places: dict[str, str], mode: str, cpu_paths: dict[str, int]) -> None:
+        """The blocks stay fused under every mode (the norms they bypass hold no
+        parameters, so no offload hooks them); under sequential and leaf-level offload the
+        q/k norms (weights) carry hooks and the processors run diffusers' code, the norms
+        onloaded by their hooks."""
+        assert all(places[f"transformer_blocks.{i}"] == "fused" for i in range(3)), places
+        hooked = mode in ("sequential", "group-leaf")
+        assert cpu_paths.get("rms_norm", 0) == (0 if hooked else 3 * 4 + 2)

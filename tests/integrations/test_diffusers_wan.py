@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from diffusers import WanTransformer3DModel
 from torch import nn
 
 import ditops
@@ -20,11 +21,6 @@ from ditops.integrations import PatchError, set_step
 from ditops.integrations.shared.undo import ClassSwap
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import WAN_OPS, cpu_paths_of
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import WanTransformer3DModel  # noqa: E402
 
 # fast precision: the patched model's output against the unpatched one, relative to the
 # output's scale (bf16 activations through 2 blocks: a few bf16 ulps).

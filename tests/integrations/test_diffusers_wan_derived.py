@@ -21,6 +21,12 @@ import types
 
 import pytest
 import torch
+from diffusers import (
+    ChronoEditTransformer3DModel,
+    SkyReelsV2Transformer3DModel,
+    WanAnimateTransformer3DModel,
+    WanVACETransformer3DModel,
+)
 from torch import nn
 
 import ditops
@@ -29,29 +35,8 @@ from ditops.bench.wan_model import cast_like_from_pretrained
 from ditops.integrations import PatchError
 from ditops.layers.norm import FP32LayerNorm
 from tests.integrations.spies import WAN_OPS, cpu_paths_of
+from tests.integrations.test_diffusers_wan import TINY
 
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import (  # noqa: E402
-    ChronoEditTransformer3DModel,
-    SkyReelsV2Transformer3DModel,
-    WanAnimateTransformer3DModel,
-    WanVACETransformer3DModel,
-)
-
-TINY = dict(
-    patch_size=(1, 2, 2),
-    num_attention_heads=2,
-    attention_head_dim=16,
-    out_channels=4,
-    text_dim=16,
-    freq_dim=16,
-    ffn_dim=48,
-    num_layers=2,
-    cross_attn_norm=True,
-    rope_max_seq_len=64,
-)
 ANIMATE = dict(
     latent_channels=4,
     in_channels=12,
@@ -80,7 +65,7 @@ DTYPES = ("fp32", "bf16", "bf16_fp32_modules")
 
 def build(name: str, dtype: str = "bf16", **overrides: object) -> nn.Module:
     torch.manual_seed(0)
-    kw: dict = {**TINY, "in_channels": 4}
+    kw: dict = dict(TINY)  # tiny Wan's (test_diffusers_wan.py)
     if name == "vace":
         kw.update(vace_layers=[0, 1], vace_in_channels=8)
     if name == "animate":
@@ -183,16 +168,6 @@ def test_fast_precision_within_tolerance() -> None:
         ditops.patch(model, precision="fast")
         out = run(model, **x).float()
         assert (out - ref).abs().max() / ref.abs().max() <= 2e-2, name
-
-
-@pytest.fixture
-def estimates() -> list:
-    from ditops.ops.estimate_block_mask import estimate_block_mask
-
-    calls: list = []
-    hook = estimate_block_mask.op.register_forward_hook(lambda _m, _a, out: calls.append(out))
-    yield calls
-    hook.remove()
 
 
 def _densities(calls: list) -> list[float]:

@@ -16,24 +16,22 @@ from dataclasses import replace
 
 import pytest
 import torch
+from diffusers import ZImageTransformer2DModel
+from diffusers.models.transformers import transformer_z_image as tz
 from torch import nn
 
 import ditops
 from ditops.integrations import PatchError
 from tests.integrations.family_life import (
+    DTYPES,
     FamilyContract,
+    HookContract,
     Life,
-    fresh_process,  # noqa: F401 (a fixture)
+    changed,
     refused_whole,
+    setting,
 )
 from tests.integrations.spies import cpu_paths_of
-from tests.precision import max_rel_err
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
-from diffusers import ZImageTransformer2DModel  # noqa: E402
-from diffusers.models.transformers import transformer_z_image as tz  # noqa: E402
 
 NAME = "ZImageTransformer2DModel"
 FAST_REL_TOL = 2e-2  # bf16/fp16 activations through 4 blocks: a few ulps of the dtype
@@ -50,7 +48,6 @@ TINY = dict(
     axes_dims=[4, 6, 6],
     axes_lens=[128, 32, 32],
 )
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def tiny_z_image(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -115,25 +112,6 @@ def per_forward(blocks: int) -> dict[str, int]:
     }
 
 
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_exact_patch_is_bitwise_equal_and_unpatch_restores(dtype: str, cpu_paths: dict) -> None:
-    model = tiny_z_image(DTYPES[dtype])
-    x = inputs(DTYPES[dtype])
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME] == {
-        "fused blocks": 4,
-        "fused attention prologues": 4,
-        "fused final layers": 1,
-    }
-    assert same(run(model, **x), ref)
-    assert cpu_paths == per_forward(4)
-    ditops.unpatch(model)
-    assert "forward" not in vars(model.layers[0])
-    assert type(model.layers[0].attention.processor) is tz.ZSingleStreamAttnProcessor
-    assert same(run(model, **x), ref)
-
-
 @pytest.mark.parametrize("dtype", ["fp32", "bf16"])
 def test_omni_mode_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict) -> None:
     model = tiny_z_image(DTYPES[dtype], siglip_feat_dim=20)
@@ -143,18 +121,6 @@ def test_omni_mode_per_token_modulation_is_bitwise(dtype: str, cpu_paths: dict) 
     assert report.models[NAME]["fused blocks"] == 5  # with the SigLIP refiner's
     assert same(run(model, **x), ref)
     assert cpu_paths == per_forward(5)
-
-
-@pytest.mark.parametrize("dtype", list(DTYPES))
-def test_fast_patch_within_tolerance(dtype: str) -> None:
-    model = tiny_z_image(DTYPES[dtype])
-    x = inputs(DTYPES[dtype])
-    ref = run(model, **x)
-    ditops.patch(model, precision="fast")
-    out = run(model, **x)
-    for o, r in zip(out, ref):
-        assert o.dtype == r.dtype
-        assert max_rel_err(o, r) <= FAST_REL_TOL
 
 
 def test_exact_off_the_cpu_runs_diffusers_processor() -> None:
@@ -183,20 +149,6 @@ def test_exact_off_the_cpu_runs_diffusers_block(monkeypatch: pytest.MonkeyPatch)
     x = torch.empty(1, 6, 32, device="meta", dtype=torch.bfloat16)
     assert model.context_refiner[0](x, None, None) == "diffusers"
     assert len(called) == 1
-
-
-def test_a_hook_on_a_bypassed_norm_runs_that_block_unfused() -> None:
-    model = tiny_z_image()
-    x = inputs()
-    seen: list[int] = []
-    model.layers[1].ffn_norm2.register_forward_hook(lambda *_: seen.append(1))
-    ref = run(model, **x)
-    report = ditops.patch(model, precision="exact")
-    assert report.models[NAME]["fused blocks"] == 3
-    assert report.unfused[NAME]["layers.1"] == "ffn_norm2 has a torch forward hook"
-    seen.clear()
-    assert same(run(model, **x), ref)
-    assert seen == [1]  # the hook still runs
 
 
 def test_a_hook_on_a_q_norm_keeps_diffusers_prologue(cpu_paths: dict) -> None:
@@ -242,26 +194,11 @@ LIFE = Life(
     inputs=inputs,
     run=run,
     same=same,
-    block=lambda m: m.layers[0],
-    attention=lambda m: m.layers[0].attention,
+    blocks="layers",
+    attn="attention",
     processor=tz.ZSingleStreamAttnProcessor,
+    cases=inputs,
 )
-
-
-def _changed(owner: object, attr: str):
-    def change(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-        original = getattr(owner, attr)
-
-        def changed(*args, **kwargs):
-            return original(*args, **kwargs)
-
-        monkeypatch.setattr(owner, attr, changed)
-
-    return change
-
-
-def _eps(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
-    monkeypatch.setattr(model.layers[1].attention.norm_k, "eps", 1e-6)
 
 
 def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
@@ -273,16 +210,19 @@ def _final_norm(monkeypatch: pytest.MonkeyPatch, model: nn.Module) -> None:
     ("change", "fragment"),
     [
         (
-            _changed(tz.ZImageTransformerBlock, "forward"),
+            changed(tz.ZImageTransformerBlock, "forward"),
             r"noise_refiner\[0\] is a ZImageTransformerBlock whose forward",
         ),
-        (_changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
-        (_changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
+        (changed(tz.FinalLayer, "forward"), r"all_final_layer\['2-1'\] is a FinalLayer whose"),
+        (changed(tz, "select_per_token"), r"select_per_token of diffusers .* differs"),
         (
-            _changed(tz.ZSingleStreamAttnProcessor, "__call__"),
+            changed(tz.ZSingleStreamAttnProcessor, "__call__"),
             r"attention.processor ZSingleStreamAttnProcessor.__call__ \(",
         ),
-        (_eps, r"layers\[1\].attention.norm_q/norm_k have different eps"),
+        (
+            setting("layers.1.attention.norm_k", "eps", 1e-6),
+            r"layers\[1\].attention.norm_q/norm_k have different eps",
+        ),
         (_final_norm, r"all_final_layer\['2-1'\].norm_final is not a LayerNorm without affine"),
     ],
     ids=["block_forward", "final_forward", "select_per_token", "processor", "qk_eps", "final"],
@@ -306,11 +246,15 @@ def _rope_tables(model: nn.Module) -> None:
     model.rope_embedder(torch.zeros(1, 3, dtype=torch.long))
 
 
-class TestContract(FamilyContract):
+class TestContract(FamilyContract, HookContract):
     """A patched model's life (tests/integrations/family_life.py): sparse attention refused,
     deep copies, pickling, patching again, compile first, the Triton paths."""
 
     life = LIFE
+    hooked = ("layers.1.ffn_norm2", 3)
+    exact_cases = [(d, {}) for d in ("fp32", "bf16", "fp16")]
+    fused = {"fused blocks": 4, "fused attention prologues": 4, "fused final layers": 1}
+    cpu_calls = per_forward(4)
     triton_ops = ZIMAGE_OPS
     triton_tolerance = FAST_REL_TOL
     triton_calls = per_forward(3)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import diffusers
 import pytest
 import torch
 from torch import nn
@@ -21,10 +22,6 @@ from tests.integrations import test_diffusers_hunyuan_video as hv_t
 from tests.integrations import test_diffusers_hunyuan_video15 as hv15_t
 from tests.integrations import test_diffusers_ltx_video as ltx_t
 from tests.integrations import test_diffusers_wan as wan_t
-
-diffusers = pytest.importorskip(
-    "diffusers", reason="the diffusers extra is part of the test install"
-)
 
 #: The caches that hook whole blocks (the ones whose leftovers the blocks' patch meets).
 CACHES: dict[str, Callable[[], object]] = {
