@@ -207,7 +207,9 @@ def _kmeans_per_head(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`kmeans` of ``flat`` ``[G, S, D]``, on CPU one head per worker thread."""
     groups = int(flat.shape[0])
-    if flat.device.type != "cpu" or groups < 2 or not CPU_HEADS_ON_WORKERS:
+    # Under torch.compile the batched form is traced (worker threads are not traceable).
+    compiling = torch.compiler.is_compiling()
+    if flat.device.type != "cpu" or groups < 2 or not CPU_HEADS_ON_WORKERS or compiling:
         return kmeans(flat, start, rounds)
     from ditops.kernels.cpu import workers
 

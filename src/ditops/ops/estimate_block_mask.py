@@ -29,6 +29,7 @@ from ditops.attention.layout import to_bnsd
 from ditops.attention.methods import (
     DEFAULT_SAMPLES,
     OP_DEFAULT_METHOD,
+    sampled_block_scores_fp32,
     sampled_rows_fp32,
 )
 from ditops.attention.selection import BlockSelection, mask_without_scores
@@ -211,6 +212,16 @@ class EstimateBlockMask(CustomOp):
                 scale=c.score_scale() * c.stride,
                 causal=sel.causal,
             )
+            if torch.compiler.is_compiling():  # traced: the 2-D form (no worker threads)
+                scores = sampled_block_scores_fp32(
+                    c.qb,
+                    c.kb,
+                    block_size=c.block_size,
+                    samples=sel.samples,
+                    causal=sel.causal,
+                    scale=c.score_scale() * c.stride,
+                )
+                return mask_from_scores(scores, sel)
             # The same arithmetic as sampled_block_scores_fp32, one head per worker.
             scores = sampled_scores.sampled_block_scores_fp32(
                 qs,
@@ -229,6 +240,8 @@ class EstimateBlockMask(CustomOp):
                 score_scale=c.score_scale(),
                 causal=sel.causal,
             )
+        if torch.compiler.is_compiling():
+            return mask_from_scores(scores, sel)
         from ditops.kernels.cpu.blocks import kernel_threads
 
         # Dozens of small ops on [B, N, Qb, KVb]: on one thread, as each 2-thread region
