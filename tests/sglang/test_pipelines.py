@@ -54,26 +54,37 @@ def bound_ops(log: str) -> set[str]:
 
 
 @pytest.mark.slow
-def test_flux1_and_z_image_run_on_ditops_with_stock_s_frames(tmp_path: Path) -> None:
-    flux, zimage = write_tiny_flux(tmp_path), write_tiny_zimage(tmp_path)
+def test_flux1_flux2_and_z_image_run_on_ditops_with_stock_s_frames(tmp_path: Path) -> None:
+    """The image pipelines stock sglang runs on a CPU, stock and with ditops: FLUX.1's
+    frames bitwise stock's; FLUX.2-klein's (its Qwen3 text encoder's rotary embedding on
+    ditops) bitwise in ``exact`` precision; Z-Image's within 1% in ``fast``."""
+    from tests.sglang.tiny_images import write_tiny_flux2_klein
+
+    checkpoints = {
+        "flux": write_tiny_flux(tmp_path), "zimage": write_tiny_zimage(tmp_path),
+        "flux2": write_tiny_flux2_klein(tmp_path),
+    }  # fmt: skip
     image = {"RUN_GENERATOR_KIND": "image"}
     runs = {
         f"{name} {mode}": (ckpt, tmp_path / f"{name}-{mode}.npy", mode == "ditops", image, [])
-        for name, ckpt in (("flux", flux), ("zimage", zimage))
+        for name, ckpt in checkpoints.items()
         for mode in ("stock", "ditops")
     }
+    runs["flux2 ditops"] = (*runs["flux2 ditops"][:3], {**image, "DITOPS_PRECISION": "exact"}, [])
     logs = run_all(runs)
     frames = {name: np.load(run[1]) for name, run in runs.items()}
     for name, f in frames.items():
         assert f.shape == (1, 128, 128, 3) and np.isfinite(f).all(), name
-    # FLUX.1's only served ops are its q/k RMSNorms (ditops' torch convention, bitwise
-    # sglang's in bf16 here); Z-Image adds its adaLN norms and MulAdd-free blocks.
-    assert bound_ops(logs["flux ditops"]) == {"RMSNorm"}
+    # FLUX.1's served ops are its q/k RMSNorms (ditops' torch convention, bitwise sglang's
+    # in bf16 here) and a RotaryEmbedding sglang builds; Z-Image adds its adaLN norms.
+    assert bound_ops(logs["flux ditops"]) == {"RMSNorm", "RotaryEmbedding"}
     assert np.array_equal(frames["flux ditops"], frames["flux stock"])
+    assert {"RMSNorm", "RotaryEmbedding"} <= bound_ops(logs["flux2 ditops"])
+    assert np.array_equal(frames["flux2 ditops"], frames["flux2 stock"])
     assert {"RMSNorm"} <= bound_ops(logs["zimage ditops"])
     diff = np.abs(frames["zimage ditops"] - frames["zimage stock"])
     assert diff.mean() < 0.01 * np.abs(frames["zimage stock"]).mean()
-    assert not bound_ops(logs["flux stock"]) and not bound_ops(logs["zimage stock"])
+    assert not any(bound_ops(logs[f"{name} stock"]) for name in checkpoints)
 
 
 SPARSE = ["block_sparse_attn", "sparsity=0.5,skip_first_steps=1,block_size=16"]
@@ -118,3 +129,30 @@ def test_video_pipelines_run_sparse_on_ditops(tmp_path: Path) -> None:
         assert log.count("dense SDPA runs there") <= 2, name  # one line per reason
         ops = bound_ops(log)
         assert {"RMSNorm", "LayerNormScaleShift", "MulAdd"} <= ops, (name, ops)
+
+
+@pytest.mark.slow
+def test_qwen_image_and_causal_wan_run_on_ditops(tmp_path: Path) -> None:
+    """Qwen-Image (its rotary embedding among ditops' ops) and sglang's causal Wan
+    (``LongLive2Pipeline``: causal DMD denoising, block by block with a KV cache) end to end
+    with ditops' ops; stock sglang stops at the first fused norm of both on a CPU. Causal
+    Wan runs dense: it cannot take ``block_sparse_attn`` (refused at start-up,
+    ``test_plugin.py``)."""
+    from tests.sglang.tiny_images import write_tiny_qwen_image
+    from tests.sglang.tiny_wan import write_tiny_causal_wan
+
+    runs = {
+        "qwen-image": (write_tiny_qwen_image(tmp_path), tmp_path / "qwen.npy", True,
+                       {"RUN_GENERATOR_KIND": "image"}, []),
+        "causal wan": (write_tiny_causal_wan(tmp_path), tmp_path / "causal.npy", True, {}, []),
+    }  # fmt: skip
+    logs = run_all(runs)
+    frames = {name: np.load(run[1]) for name, run in runs.items()}
+    assert frames["qwen-image"].shape == (1, 128, 128, 3)
+    # 9 frames asked, rounded up to whole blocks of 8 latent frames (29 frames) by sglang.
+    assert frames["causal wan"].shape == (29, 128, 128, 3)
+    assert all(np.isfinite(f).all() for f in frames.values())
+    assert "LongLive2" in logs["causal wan"]
+    qwen, causal = bound_ops(logs["qwen-image"]), bound_ops(logs["causal wan"])
+    assert {"RMSNorm", "LayerNormScaleShift", "MulAdd", "RotaryEmbedding"} <= qwen, qwen
+    assert {"FP32LayerNorm", "RMSNorm", "LayerNormScaleShift", "MulAdd"} <= causal, causal

@@ -149,6 +149,29 @@ def test_every_config_form_is_checked_when_sglang_builds_its_arguments(tmp_path:
         module._global_server_args = saved
 
 
+def test_a_causal_pipeline_refuses_block_sparse_attn_at_start_up(tmp_path: Path) -> None:
+    """sglang's causal (block-by-block, KV-cached) denoising builds attention metadata for
+    VSA only: ditops' backend would get none and run dense. Refused when the arguments
+    are built, with why; the same pipeline dense, and a non-causal one sparse, start."""
+    from sglang.multimodal_gen.runtime.server_args import ServerArgs
+    from sglang.multimodal_gen.runtime.server_args import server_args as module
+
+    from tests.sglang.tiny_wan import write_tiny_causal_wan
+
+    saved = module._global_server_args
+    causal = str(write_tiny_causal_wan(tmp_path))
+    sparse = dict(attention_backend="block_sparse_attn", attention_backend_config="sparsity=0.5")
+    try:
+        with ditops_platform():
+            with pytest.raises(ValueError, match="causal.*video_sparse_attn only"):
+                ServerArgs.from_kwargs(model_path=causal, num_gpus=1, **sparse)
+            assert _server_args(tmp_path, "sparsity=0.5").attention_backend == "block_sparse_attn"
+            dense = ServerArgs.from_kwargs(model_path=causal, num_gpus=1)
+            assert dense.pipeline_config.is_causal
+    finally:
+        module._global_server_args = saved
+
+
 def test_the_start_up_notice_names_a_platform_without_sparse_kernels(caplog) -> None:
     class MpsLike(VendorPlatform):
         device_type = "mps"

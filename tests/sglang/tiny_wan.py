@@ -136,6 +136,41 @@ def _transformer(heads: int, dim_head: int, layers: int, channels: int, i2v: boo
     )
 
 
+def write_tiny_causal_wan(root: Path) -> Path:
+    """sglang's causal Wan (``LongLive2Pipeline``: causal DMD denoising block by block with a
+    KV cache, on Wan 2.2 TI2V-5B's layout; the only causal Wan 0.5.21 registers a
+    checkpoint for): the TI2V checkpoint in a folder named like the released one, its
+    transformer's weights under the original Wan names its loader maps from."""
+    import re
+
+    from safetensors.torch import load_file, save_file
+    from sglang.multimodal_gen.configs.models.dits.longlive2 import LongLive2ArchConfig
+    from sglang.multimodal_gen.configs.models.dits.wanvideo import WanVideoArchConfig
+
+    path = write_tiny_wan(root, name="LongLive-2.0-5B-Diffusers", ti2v=True)
+    for file, key, value in (
+        (path / "model_index.json", "_class_name", "LongLive2Pipeline"),
+        (path / "transformer" / "config.json", "_class_name", "LongLive2Transformer3DModel"),
+    ):
+        data = json.loads(file.read_text())
+        data[key] = value
+        file.write_text(json.dumps(data, indent=1))
+
+    def rename(name: str, mapping: dict) -> str:
+        for pattern, to in mapping.items():
+            if re.match(pattern, name):
+                return re.sub(pattern, to if isinstance(to, str) else to[0], name)
+        return name
+
+    to_sglang = WanVideoArchConfig().param_names_mapping  # diffusers' names -> sglang's
+    to_original = LongLive2ArchConfig().reverse_param_names_mapping  # sglang's -> original
+    for file in (path / "transformer").glob("*.safetensors"):
+        weights = load_file(file)
+        weights = {rename(rename(k, to_sglang), to_original): v for k, v in weights.items()}
+        save_file(weights, file, metadata={"format": "pt"})
+    return path
+
+
 if __name__ == "__main__":
     import sys
 

@@ -1,9 +1,12 @@
 """Benchmark ``ditops bench sglang``: the bench Wan (:data:`ditops.bench.wan_model.DEFAULT_CONFIG`,
 the ``wan`` suite's latent) as sglang's own ``WanTransformer3DModel``, run by sglang's
 stock platform for the host without and with ditops' plugin, dense and with ditops'
-``block_sparse_attn``, in one run with the variants interleaved per step; then the
-per-call overhead of ditops' forwards against sglang's own at small sizes (q/k-norm
-``RMSNorm``, ``MulAdd``, ``FP32LayerNorm``), interleaved, median of many calls.
+``block_sparse_attn``, and the same config as diffusers' ``WanTransformer3DModel`` under
+``ditops.patch`` (dense, and with the same block-sparse settings): sglang + ditops against
+diffusers + ditops, in one run with the variants interleaved per step; then the per-call
+overhead of ditops' forwards against sglang's own at small sizes (q/k-norm ``RMSNorm``,
+``MulAdd``, ``FP32LayerNorm``, ``RMSNormNoWeight``, ``RotaryEmbedding``), interleaved,
+median of many calls.
 
 Needs sglang's environment (``.ci/sglang`` builds one; 0.5.21 tested). Stock sglang on a
 CPU stops at the first norm (its CPU path calls a CPU build of sgl-kernel no registry
@@ -87,6 +90,28 @@ def _build(
     return model.to(device, dtype).eval()
 
 
+def _diffusers(device: torch.device, dtype: torch.dtype) -> dict[str, Any]:
+    """The same Wan config as diffusers' model under ``ditops.patch``: dense (ditops'
+    default precision, as the plugin runs) and with ``SPARSE``'s block-sparse settings."""
+    from ditops.attention.schedule import BlockSparseConfig
+    from ditops.bench.wan_model import build_model
+    from ditops.integrations import patch
+
+    dense, sparse = build_model(None, device, dtype), build_model(None, device, dtype)
+    patch(dense)
+    patch(sparse, attention=BlockSparseConfig(**SPARSE))
+    return {"diffusers+ditops dense": dense, "diffusers+ditops sparse": sparse}
+
+
+def _diffusers_step(model: Any, x, text, step: int, sparse: bool) -> None:
+    from ditops.integrations import set_step
+
+    if sparse:  # sglang's diffusers (0.37) takes no step_index in cache_context
+        set_step(model, step)
+    t = torch.tensor([900 - 200 * step], device=x.device)
+    model(hidden_states=x, timestep=t, encoder_hidden_states=text, return_dict=False)
+
+
 def _metadata(step: int, latent: list[int]) -> Any:
     from ditops.integrations.sglang.attention import DitopsBlockSparseMetadataBuilder
 
@@ -134,6 +159,7 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
         x = torch.randn(latent, generator=gen).to(device, dtype)
         text = torch.randn(1, TEXT_TOKENS, DEFAULT_CONFIG["text_dim"], generator=gen)
         text = text.to(device, dtype)
+        models.update(_diffusers(device, dtype))
         times: dict[str, list[float]] = {name: [] for name in models}
         failures: dict[str, str] = {}
         for step in range(STEPS):
@@ -143,8 +169,12 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
                 md = _metadata(step, latent) if name == "ditops sparse" else None
                 start = time.perf_counter()
                 try:
-                    with torch.no_grad(), set_forward_context(step, md, None):
-                        model(x, text, torch.tensor([900 - 200 * step], device=device))
+                    if name.startswith("diffusers"):
+                        with torch.no_grad():
+                            _diffusers_step(model, x, text, step, name.endswith("sparse"))
+                    else:
+                        with torch.no_grad(), set_forward_context(step, md, None):
+                            model(x, text, torch.tensor([900 - 200 * step], device=device))
                 except Exception as error:
                     if name != "stock":
                         raise
@@ -173,9 +203,9 @@ def cli(device: torch.device, size: str, dtype: torch.dtype | None = None) -> di
     )
     for row in rows:
         if row["speedup"] is None:
-            print(f"  {row['variant']:<14} fails: {row['failed']}")
+            print(f"  {row['variant']:<24} fails: {row['failed']}")
         else:
-            print(f"  {row['variant']:<14} {row['seconds']:8.3f} s  {row['speedup']:.2f}x")
+            print(f"  {row['variant']:<24} {row['seconds']:8.3f} s  {row['speedup']:.2f}x")
     overhead = _overhead(platform, dtype)
     print("  per call (median us), sglang's own forward vs ditops':")
     for name, (own, ours) in overhead.items():
@@ -193,6 +223,7 @@ def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str,
     from sglang.multimodal_gen.runtime import platforms
     from sglang.multimodal_gen.runtime.layers import layernorm as ln
     from sglang.multimodal_gen.runtime.layers.elementwise import MulAdd
+    from sglang.multimodal_gen.runtime.layers.rotary_embedding.base import RotaryEmbedding
 
     cases = {
         "RMSNorm q/k [1, 256, 128]": (lambda: ln.RMSNorm(128), (torch.randn(1, 256, 128),)),
@@ -204,6 +235,15 @@ def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str,
             lambda: ln.FP32LayerNorm(256, elementwise_affine=True),
             (torch.randn(1, 256, 256),),
         ),
+        "RMSNormNoWeight [1, 256, 128]": (
+            ln.RMSNormNoWeight,
+            (torch.randn(1, 256, 128), 1e-6),
+        ),
+        "RotaryEmbedding q/k [1, 256, 8, 64]": (
+            lambda: RotaryEmbedding(64, 64, 4096, 10000, use_precomputed_cache=False),
+            (None, torch.randn(1, 256, 8, 64), torch.randn(1, 256, 8, 64), 0)
+            + tuple(torch.rand(256, 32).cos() for _ in range(2)),
+        ),
     }
     out = {}
     saved, platforms._current_platform = platforms._current_platform, platform
@@ -213,7 +253,8 @@ def _overhead(platform: Any, dtype: torch.dtype, calls: int = 2000) -> dict[str,
                 own = factory()
             with _switch(True):
                 ours = factory()
-            xs = [t.to(dtype) for t in inputs]
+            # Activations in the bench dtype; the rotary tables ([S, D / 2]) stay fp32.
+            xs = [t.to(dtype) if torch.is_tensor(t) and t.dim() > 2 else t for t in inputs]
             try:
                 own(*xs)
             except (AttributeError, ModuleNotFoundError, RuntimeError):  # sgl_kernel absent

@@ -14,7 +14,8 @@ out-of-tree platform):
 * :mod:`.forwards`: the served classes; :mod:`.norms` (``FP32LayerNorm``, ``RMSNorm``,
   ``LayerNormScaleShift``, ``ScaleResidualLayerNormScaleShift``) and :mod:`.elementwise`
   (``MulAdd``, ``RMSNormNoWeight``, ``RMSNormScaleShift``,
-  ``ScaleResidualRMSNormScaleShift``, ``GeluAndMul``, ``NewGELU``) in sglang's arithmetic;
+  ``ScaleResidualRMSNormScaleShift``, ``GeluAndMul``, ``NewGELU``) and :mod:`.rotary`
+  (``RotaryEmbedding``) in sglang's arithmetic;
 * :mod:`.attention`: the ``block_sparse_attn`` backend, driven by
   ``--attention-backend-config``.
 
@@ -25,7 +26,8 @@ run once; docs/sglang.md). What the adapter relies on in sglang, to check on a n
   plugins run in every process before models are built, ``HookRegistry``/``HookType``;
 * the hook targets in :mod:`.plugin` (``CustomOp.dispatch_forward``,
   ``selector._cached_get_attn_backend``, ``ServerArgs.__post_init__`` having parsed
-  ``attention_backend_config``, ``ComponentLoader._load_native_with_context``);
+  ``attention_backend_config`` and chosen ``pipeline_config`` (its ``is_causal``),
+  ``ComponentLoader._load_native_with_context``);
 * the served classes' arguments and ``forward_native`` arithmetic, and
   ``fuse_scale_shift_kernel_native`` (``sglang.kernels.ops.diffusion.common.fallback_torch``);
 * ``AttentionBackend``/``AttentionImpl`` (q/k/v ``[B, S, H, D]``), ``DenoisingStage``'s

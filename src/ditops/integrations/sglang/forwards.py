@@ -10,7 +10,7 @@ import functools
 from typing import Any
 
 from ditops.integrations.sglang import elementwise as ew
-from ditops.integrations.sglang import norms
+from ditops.integrations.sglang import norms, rotary
 
 #: (sglang module, class name, ditops' forward).
 SERVED: tuple[tuple[str, str, Any], ...] = (
@@ -32,6 +32,7 @@ SERVED: tuple[tuple[str, str, Any], ...] = (
     ("elementwise", "MulAdd", ew.mul_add_forward),
     ("activation", "GeluAndMul", ew.gelu_and_mul_forward),
     ("activation", "NewGELU", ew.new_gelu_forward),
+    ("rotary_embedding.base", "RotaryEmbedding", rotary.rotary_embedding_forward),
 )
 
 

@@ -16,7 +16,8 @@ hooks put ditops' ops under it:
   warning; every other choice as the platform answers it.
 * ``ServerArgs.__post_init__`` (after): ``--attention-backend-config`` in every form
   sglang takes (JSON, ``k=v``, a ``.json``/``.yaml`` file; sglang has parsed it by then)
-  is checked when the arguments are built, before any worker starts; the start-up
+  is checked when the arguments are built, before any worker starts (and a causal
+  pipeline, which builds no block-sparse metadata, is refused); the start-up
   notice says which ops ditops serves and where the platform's device has no ditops
   kernel for the backend.
 * ``ComponentLoader._load_native_with_context`` (around): sglang's loader answers a
@@ -130,6 +131,17 @@ def check_server_args(result: Any, server_args: Any) -> None:
     log.warning("ditops (sglang plugin) on %s (%s): ditops runs %s", platform, device, names)
     if (getattr(server_args, "attention_backend", None) or "").lower() == "block_sparse_attn":
         config_from(server_args.attention_backend_config, device)
+        pipeline = getattr(server_args, "pipeline_config", None)
+        if getattr(pipeline, "is_causal", False):
+            # CausalDMDDenoisingStage builds metadata for VIDEO_SPARSE_ATTN only: every
+            # call would reach ditops' backend without it and run dense.
+            raise ValueError(
+                f"block_sparse_attn (ditops): {type(pipeline).__name__} is a causal "
+                "(block-by-block, KV-cached) pipeline; its denoising stage builds attention "
+                "metadata for video_sparse_attn only, so ditops' block-sparse attention "
+                "would run dense there. Run it without --attention-backend "
+                "block_sparse_attn (ditops' ops still serve it)"
+            )
         if device not in SPARSE_KERNEL_DEVICES:
             log.warning(
                 "ditops block_sparse_attn: platform %s's device %r has no ditops kernel "
