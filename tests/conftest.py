@@ -64,12 +64,15 @@ def _seeded_rng() -> None:
     torch.manual_seed(0)
 
 
-@pytest.fixture(autouse=True)
-def _no_small_call_rule(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.fixture(autouse=True, scope="session")
+def _no_small_call_rule() -> Iterator[None]:
     """Tests assert which path a call takes on small tensors (their shapes are small so
     Triton's interpreter stays quick): the small-call rule, which runs the meaning for
     calls under ``SMALL_CALL_ELEMENTS`` when tuning is on, is off unless a test turns it
-    back on (tests/test_small_calls.py)."""
+    back on (tests/test_small_calls.py). Session-wide, so that module-scoped fixtures
+    (the forwards tests/kernels/test_fake_impls.py records) see it off too."""
     from ditops.core import plan
 
-    monkeypatch.setattr(plan, "SMALL_CALL_ELEMENTS", 0)
+    saved, plan.SMALL_CALL_ELEMENTS = plan.SMALL_CALL_ELEMENTS, 0
+    yield
+    plan.SMALL_CALL_ELEMENTS = saved

@@ -158,8 +158,30 @@ def test_warm_started_clusters_cost_one_round(monkeypatch) -> None:
         permute_mod, "kmeans", lambda x, c, iters, **kw: rounds.append(iters) or real(x, c, iters)
     )
     first = cluster_permutation(q, k, block_size=64)
+    cold = list(rounds)
+    rounds.clear()
     cluster_permutation(q, k, block_size=64, previous=first)
-    assert rounds == [permute_mod.COLD_ITERS] * 2 + [permute_mod.WARM_ITERS] * 2
+    # q and k (per head on CPU's worker threads): cold rounds first, then one round.
+    assert cold and set(cold) == {permute_mod.COLD_ITERS}
+    assert len(rounds) == len(cold) and set(rounds) == {permute_mod.WARM_ITERS}
+
+
+@pytest.mark.parametrize("warm", [False, True])
+def test_heads_on_worker_threads_give_the_batched_bits(monkeypatch, warm: bool) -> None:
+    from ditops.kernels.cpu import workers
+
+    monkeypatch.setattr(workers, "WORKERS", 2)
+    q, k, _, _ = _scattered(heads=4)
+    q, k = q.to(torch.bfloat16), k.to(torch.bfloat16)
+    perms = []
+    for on_workers in (False, True):
+        monkeypatch.setattr(permute_mod, "CPU_HEADS_ON_WORKERS", on_workers)
+        perm = cluster_permutation(q, k, fixed=64, block_size=64)
+        if warm:
+            perm = cluster_permutation(q, k, fixed=64, block_size=64, previous=perm)
+        perms.append(perm)
+    for name in ("q_order", "k_order", "q_centroids", "k_centroids"):
+        assert torch.equal(getattr(perms[0], name), getattr(perms[1], name)), name
 
 
 def test_permute_with_causal_is_refused() -> None:

@@ -11,6 +11,7 @@ bypassed norm, torch.compile) and the models it must refuse.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -58,11 +59,16 @@ TINY = dict(
 )
 TEXT = 7  # odd: the tables split at an odd row
 SIDE = 5
+#: diffusers 0.36's FLUX.2 always embeds a guidance (0.37 on: ``guidance_embeds``, off here)
+GUIDED = "guidance_embeds" not in inspect.signature(Flux2Transformer2DModel.__init__).parameters
 
 
 def tiny_flux2(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> Flux2Transformer2DModel:
     torch.manual_seed(0)
-    return Flux2Transformer2DModel(**{**TINY, **overrides}).to(dtype).eval()
+    config = {**TINY, **overrides}
+    if GUIDED:
+        del config["guidance_embeds"]
+    return Flux2Transformer2DModel(**config).to(dtype).eval()
 
 
 def image_ids(side: int = SIDE, t: int = 0) -> torch.Tensor:
@@ -76,13 +82,14 @@ def inputs(dtype: torch.dtype = torch.bfloat16, batch: int = 1) -> dict:
     g = torch.Generator().manual_seed(1)
     txt_ids = torch.zeros(TEXT, 4, dtype=torch.long)
     txt_ids[:, 3] = torch.arange(TEXT)
-    return {
+    x = {
         "hidden_states": torch.randn(batch, SIDE * SIDE, 8, generator=g).to(dtype) * 2,
         "encoder_hidden_states": torch.randn(batch, TEXT, 24, generator=g).to(dtype),
         "timestep": torch.tensor([0.7, 0.3][:batch] + [0.5] * (batch - 2), dtype=dtype),
         "img_ids": image_ids(),
         "txt_ids": txt_ids,
     }
+    return {**x, "guidance": torch.full((batch,), 3.5, dtype=dtype)} if GUIDED else x
 
 
 run = first_output
@@ -142,6 +149,32 @@ def test_kv_cache_processors_are_kept_and_per_token_modulations_fused(
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     assert cpu_paths["adaln_residual_modulate"] == 2 * 2 * 2  # both calls ran fused
     assert "qk_norm_rope" not in cpu_paths
+
+
+def test_modulations_handed_split_as_diffusers_0_36_hands_them(cpu_paths: dict) -> None:
+    """diffusers 0.36's model splits the modulations itself and hands the blocks the chunks
+    (``temb_mod_params_img``/``_txt``, ``temb_mod_params``): the fused blocks given them so
+    compute what they compute from the one tensor of 0.37 on, bitwise."""
+    from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
+
+    model = tiny_flux2()
+    ditops.patch(model, precision="exact")
+    double, single = model.transformer_blocks[0], model.single_transformer_blocks[0]
+    g = torch.Generator().manual_seed(3)
+    h, c = (torch.randn(2, n, 32, generator=g).bfloat16() for n in (9, 5))
+    m_img, m_txt, m_one = (torch.randn(2, k * 96, generator=g).bfloat16() for k in (2, 2, 1))
+    with torch.inference_mode():
+        want = double(h, c, m_img, m_txt)
+        got = double(
+            hidden_states=h,
+            encoder_hidden_states=c,
+            temb_mod_params_img=Flux2Modulation.split(m_img, 2),
+            temb_mod_params_txt=Flux2Modulation.split(m_txt, 2),
+        )
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+        split = Flux2Modulation.split(m_one, 1)[0]
+        assert torch.equal(single(h, None, temb_mod_params=split), single(h, None, m_one))
+    assert cpu_paths["adaln_residual_modulate"] == 4  # fused both ways, not diffusers' code
 
 
 def test_tables_in_another_dtype() -> None:

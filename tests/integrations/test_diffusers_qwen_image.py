@@ -12,6 +12,7 @@ and models it must refuse.
 from __future__ import annotations
 
 import functools
+import inspect
 from dataclasses import replace
 
 import pytest
@@ -46,6 +47,8 @@ TINY = dict(
     axes_dims_rope=(4, 6, 6),
 )
 TEXT = 7  # an odd number of text tokens
+#: diffusers before 0.37 sizes the text's rotary table by ``txt_seq_lens`` (since: the text)
+TXT_SEQ_LENS = "max_txt_seq_len" not in inspect.signature(tq.QwenEmbedRope.forward).parameters
 
 
 def tiny_qwen(dtype: torch.dtype = torch.bfloat16, **overrides: object) -> nn.Module:
@@ -70,13 +73,14 @@ def inputs(
     tokens = sum(f * h * w for f, h, w in shapes)
     mask = torch.ones(batch, text, dtype=torch.long)
     mask[0, -2:] = 0
-    return {
+    x = {
         "hidden_states": torch.randn(batch, tokens, 12, generator=g).to(dtype) * 2,
         "encoder_hidden_states": torch.randn(batch, text, 24, generator=g).to(dtype),
         "encoder_hidden_states_mask": mask,
         "timestep": torch.tensor([0.7] * batch, dtype=dtype),
         "img_shapes": [list(shapes)] * batch,
     }
+    return {**x, "txt_seq_lens": [text] * batch} if TXT_SEQ_LENS else x
 
 
 def run(model: nn.Module, **kw: object) -> torch.Tensor:

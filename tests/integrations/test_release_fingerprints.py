@@ -37,3 +37,14 @@ def test_the_installed_release_is_covered() -> None:
     """The test environment's diffusers is one the table covers (a new release: survey
     it and extend the table, see docs/releases.md)."""
     assert _release() is not None, diffusers.__version__
+
+
+@pytest.mark.skipif(_release() is None, reason="a diffusers release the table does not cover")
+def test_ditops_info_says_what_is_served_on_this_release() -> None:
+    """``ditops info``'s line reads every family's relied-on functions on this release,
+    including those the release lacks (a family's older release has fewer)."""
+    from ditops.integrations.release_table import diffusers_report
+
+    report = diffusers_report()
+    assert report["line"].startswith(f"diffusers {diffusers.__version__}: served deep: ")
+    assert "wan" in report["deep"]

@@ -281,6 +281,7 @@ def test_pairs_match_native_and_the_unpaired_path(
 ) -> None:
     """Pairs (merged with private items through the log-sum-exp) give native's answer,
     with GQA, a partial last query block (never paired) and a row with no key."""
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", True)
     gen = torch.Generator().manual_seed(15)
     q = torch.randn(1, 2, 700, 32, generator=gen).to(dtype)  # 6 blocks of 128, last partial
     k = torch.randn(1, 1, 768, 32, generator=gen).to(dtype)
@@ -294,3 +295,54 @@ def test_pairs_match_native_and_the_unpaired_path(
     single = check(q, k, v, mask, counts, layout=layout)
     if dtype == torch.float32:
         torch.testing.assert_close(paired, single, atol=2e-6, rtol=2e-6)
+
+
+def test_the_plan_runs_on_one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plan is dozens of small ops on the mask: on one thread (each 2-thread region
+    waits for a descheduled partner under load); without shared groups the SDPA calls
+    keep the process's threads."""
+    monkeypatch.setattr(kernel, "SHARE_GROUPS", False)
+    seen: dict[str, list[int]] = {"plan": [], "sdpa": []}
+    real_plan, real_sdpa = kernel.plan_buckets, kernel.F.scaled_dot_product_attention
+
+    def plan(*args, **kwargs):
+        seen["plan"].append(torch.get_num_threads())
+        return real_plan(*args, **kwargs)
+
+    def sdpa(*args, **kwargs):
+        seen["sdpa"].append(torch.get_num_threads())
+        return real_sdpa(*args, **kwargs)
+
+    monkeypatch.setattr(kernel, "plan_buckets", plan)
+    monkeypatch.setattr(kernel.F, "scaled_dot_product_attention", sdpa)
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", False)
+    q, k, v = qkv(2, 2, 256, 32, torch.float32)
+    mask = torch.zeros(1, 2, 4, 4, dtype=torch.int8)
+    mask[..., 1:3] = 1
+    before = torch.get_num_threads()
+    run(q, k, v, mask, block_size=64)
+    assert seen["plan"] == [1]
+    assert seen["sdpa"] and set(seen["sdpa"]) == {before}
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_groups_on_worker_threads_give_the_same_bits(
+    monkeypatch: pytest.MonkeyPatch, causal: bool, dtype: torch.dtype
+) -> None:
+    """Groups handed to two worker threads (small groups: many of them, pairs and their
+    private items included) give the bits of the groups run in turn on the process's
+    threads, and match native."""
+    from ditops.kernels.cpu import workers
+
+    monkeypatch.setattr(workers, "WORKERS", 2)
+    monkeypatch.setattr(kernel, "SHARED_WORKSPACE_BYTES", 64 * 1024)
+    monkeypatch.setattr(kernel, "PAIR_QUERY_BLOCKS", True)
+    q, k, v = qkv(4, 2, 1000, 32, dtype)
+    mask, counts = random_mask(1, 4, num_blocks(1000, 64), num_blocks(1000, 64), 0.5)
+    mask[:, :, 2:6] = mask[:, :, 2:3]  # neighbouring rows alike: pairs
+    counts = mask.sum(-1, dtype=torch.int32)
+    monkeypatch.setattr(kernel, "SHARE_GROUPS", True)
+    shared = check(q, k, v, mask, counts, causal=causal, block_size=64)
+    monkeypatch.setattr(kernel, "SHARE_GROUPS", False)
+    assert torch.equal(run(q, k, v, mask, causal=causal, block_size=64), shared)

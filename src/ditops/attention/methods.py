@@ -166,13 +166,10 @@ def sampled_block_scores_fp32(
     kv_heads, kv_len = int(k.shape[1]), int(k.shape[2])
     group = heads // kv_heads
     q_blocks, kv_blocks = num_blocks(q_len, block_size), num_blocks(kv_len, block_size)
-    rows = sample_rows(q_len, block_size, samples).to(q.device)
-    n_rows, full = int(rows.numel()), kv_len // block_size
-    qs = q.index_select(2, rows).float() * scale  # [B, N, R, D]: the scale in fp32, once
-    allowed = None
-    if causal:
-        col_block = torch.arange(kv_len, device=q.device) // block_size
-        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+    qs, allowed = sampled_rows_fp32(
+        q, kv_len, block_size=block_size, samples=samples, scale=scale, causal=causal
+    )
+    n_rows, full = int(qs.shape[2]), kv_len // block_size
     out = torch.empty(batch, heads, q_blocks, kv_blocks, dtype=torch.float32, device=q.device)
     # One head at a time, 2-D matmuls: ATen splits a batched matmul of a batch of one
     # over its batch, one thread. Scores and probabilities go to two buffers made once
@@ -196,6 +193,19 @@ def sampled_block_scores_fp32(
                 blocks = mass.unflatten(0, ((r1 - r0) // samples, samples)).sum(1)
                 out[b, h, r0 // samples : r1 // samples] = blocks
     return out
+
+
+def sampled_rows_fp32(
+    q: torch.Tensor, kv_len: int, *, block_size: int, samples: int, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The sampled query rows in fp32 times ``scale`` (``[B, N, R, D]``: the scale applied
+    in fp32, once) and, under ``causal``, bool ``[R, Skv]`` of the keys each may see."""
+    rows = sample_rows(int(q.shape[2]), block_size, samples).to(q.device)
+    allowed = None
+    if causal:
+        col_block = torch.arange(kv_len, device=q.device) // block_size
+        allowed = col_block[None, :] <= (rows // block_size)[:, None]
+    return q.index_select(2, rows).float() * scale, allowed
 
 
 def _masked(scores: torch.Tensor, allowed: torch.Tensor | None, r0: int, r1: int) -> torch.Tensor:

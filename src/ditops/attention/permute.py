@@ -191,8 +191,40 @@ def _cluster(
     # The prefix's tokens join the assignment (a matmul over the whole of x, which a
     # strided slice would copy first) and the updates, their labels unused: a prefix of
     # a few blocks moves some centroids a little.
-    labels, centroids = kmeans(flat, start, rounds)
+    labels, centroids = _kmeans_per_head(flat, start, rounds)
     return cluster_order(labels[:, fixed:], fixed).view(b, n, s), centroids.view(b, n, c, d)
+
+
+#: On CPU, run each head's k-means on one worker thread (one intra-op thread each):
+#: the rounds' many small calls then wait at no 2-thread barrier for a descheduled
+#: thread (warm clustering 6.4% of dense SDPA on 2 threads at load 11-12,
+#: ``benchmarks/cpu/probes/permute_cost-issue39.txt``). Same bits as the batched form.
+CPU_HEADS_ON_WORKERS = True
+
+
+def _kmeans_per_head(
+    flat: torch.Tensor, start: torch.Tensor, rounds: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`kmeans` of ``flat`` ``[G, S, D]``, on CPU one head per worker thread."""
+    groups = int(flat.shape[0])
+    # Under torch.compile the batched form is traced (worker threads are not traceable).
+    compiling = torch.compiler.is_compiling()
+    if flat.device.type != "cpu" or groups < 2 or not CPU_HEADS_ON_WORKERS or compiling:
+        return kmeans(flat, start, rounds)
+    from ditops.kernels.cpu import workers
+
+    labels = torch.empty(groups, int(flat.shape[1]), dtype=torch.int64)
+    centroids = torch.empty(start.shape, dtype=start.dtype)
+
+    def body(_scratch: object):
+        def run(i: int) -> None:
+            one_labels, one_centroids = kmeans(flat[i : i + 1], start[i : i + 1], rounds)
+            labels[i], centroids[i] = one_labels[0], one_centroids[0]
+
+        return run
+
+    workers.run_items(range(groups), body)
+    return labels, centroids
 
 
 def cluster_permutation(

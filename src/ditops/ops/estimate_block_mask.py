@@ -6,7 +6,8 @@ travel as one :class:`ditops.attention.selection.BlockSelection`.
 
 Paths: ``cpu`` (bf16/fp16: on CPUs without AVX-512, the meaning's scores from fp32
 copies; the sampled methods' scores in fp32 by matmul and softmax on any CPU without
-AMX, :func:`ditops.attention.methods.sampled_block_scores_fp32`);
+AMX, :func:`ditops.attention.methods.sampled_block_scores_fp32`, one head per worker
+thread: :mod:`ditops.kernels.cpu.sampled_scores`);
 ``cuda``/``hip``/``xpu`` through a Triton kernel for the block scores
 (:mod:`ditops.kernels.triton.estimate`) followed by the native selection
 (:func:`ditops.attention.estimate.mask_from_scores`); ``npu`` through sgl-kernel-npu's
@@ -29,6 +30,7 @@ from ditops.attention.methods import (
     DEFAULT_SAMPLES,
     OP_DEFAULT_METHOD,
     sampled_block_scores_fp32,
+    sampled_rows_fp32,
 )
 from ditops.attention.selection import BlockSelection, mask_without_scores
 from ditops.backends.inductor_cpu import amx_tiles
@@ -199,13 +201,35 @@ class EstimateBlockMask(CustomOp):
         Triton estimate's do."""
         sel = c.sel
         if sel.scoring == "sampled":  # converts the sampled rows and each head's keys only
-            scores = sampled_block_scores_fp32(
+            from ditops.kernels.cpu import sampled_scores
+
+            kv_len = int(c.kb.shape[2])
+            qs, allowed = sampled_rows_fp32(
                 c.qb,
-                c.kb,
+                kv_len,
                 block_size=c.block_size,
                 samples=sel.samples,
-                causal=sel.causal,
                 scale=c.score_scale() * c.stride,
+                causal=sel.causal,
+            )
+            if torch.compiler.is_compiling():  # traced: the 2-D form (no worker threads)
+                scores = sampled_block_scores_fp32(
+                    c.qb,
+                    c.kb,
+                    block_size=c.block_size,
+                    samples=sel.samples,
+                    causal=sel.causal,
+                    scale=c.score_scale() * c.stride,
+                )
+                return mask_from_scores(scores, sel)
+            # The same arithmetic as sampled_block_scores_fp32, one head per worker.
+            scores = sampled_scores.sampled_block_scores_fp32(
+                qs,
+                c.kb,
+                allowed,
+                block_size=c.block_size,
+                samples=sel.samples,
+                kv_blocks=-(-kv_len // c.block_size),
             )
         else:
             scores = native_block_scores(
@@ -216,7 +240,15 @@ class EstimateBlockMask(CustomOp):
                 score_scale=c.score_scale(),
                 causal=sel.causal,
             )
-        return mask_from_scores(scores, sel)
+        if torch.compiler.is_compiling():
+            return mask_from_scores(scores, sel)
+        from ditops.kernels.cpu.blocks import kernel_threads
+
+        # Dozens of small ops on [B, N, Qb, KVb]: on one thread, as each 2-thread region
+        # waits for a descheduled partner under load (380 ms vs 2.4 ms at load 9:
+        # benchmarks/cpu/probes/estimate_workers.txt); the same bits (below ATen's grain).
+        with kernel_threads(1):
+            return mask_from_scores(scores, sel)
 
     @path(
         "cuda",

@@ -30,9 +30,11 @@ SINGLE_BYPASSES = ("norm",)
 _MODULE = "diffusers.models.transformers.transformer_flux2"
 
 
-def _split(mod: torch.Tensor, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]:
+def _split(mod: torch.Tensor | tuple, sets: int) -> tuple[tuple[torch.Tensor, ...], ...]:
     # diffusers' own split (called, not reproduced): [B, 1, D] views, or [B, L, D] where
     # the KV-cache pipeline blends per-token modulations; the ops take both.
+    if isinstance(mod, tuple):  # diffusers 0.36: the model split it (the same chunks)
+        return mod if sets > 1 else (mod,)
     from diffusers.models.transformers.transformer_flux2 import Flux2Modulation
 
     return Flux2Modulation.split(mod, sets)  # type: ignore[no-any-return]
@@ -58,15 +60,20 @@ def double_block_forward(
     ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor,
-    temb_mod_img: torch.Tensor,
-    temb_mod_txt: torch.Tensor,
+    temb_mod_img: torch.Tensor | None = None,
+    temb_mod_txt: torch.Tensor | None = None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
+    *,
+    temb_mod_params_img: tuple | None = None,
+    temb_mod_params_txt: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``Flux2TransformerBlock.forward`` on ditops' ops (see
     :mod:`ditops.integrations.flux2.family`); runs only while nothing is attached to the
-    norms it bypasses (:data:`DOUBLE_BYPASSES`)."""
-    img, txt = _split(temb_mod_img, 2), _split(temb_mod_txt, 2)
+    norms it bypasses (:data:`DOUBLE_BYPASSES`). diffusers 0.36's model passes the
+    modulations already split, as ``temb_mod_params_img``/``_txt``."""
+    img = _split(temb_mod_params_img if temb_mod_img is None else temb_mod_img, 2)
+    txt = _split(temb_mod_params_txt if temb_mod_txt is None else temb_mod_txt, 2)
     (shift, scale, _), _ = img
     (c_shift, c_scale, _), _ = txt
     n = ops.modulate(hidden_states, scale, shift, block.norm1.eps)
@@ -94,18 +101,20 @@ def single_block_forward(
     ops: AdaLNOps,
     hidden_states: torch.Tensor,
     encoder_hidden_states: torch.Tensor | None,
-    temb_mod: torch.Tensor,
+    temb_mod: torch.Tensor | None = None,
     image_rotary_emb: tuple[torch.Tensor, torch.Tensor] | None = None,
     joint_attention_kwargs: dict[str, Any] | None = None,
     split_hidden_states: bool = False,
     text_seq_len: int | None = None,
+    *,
+    temb_mod_params: tuple | None = None,
 ) -> Any:
     """``Flux2SingleTransformerBlock.forward`` on ditops' ops (see
-    :mod:`ditops.integrations.flux2.family`)."""
+    :mod:`ditops.integrations.flux2.family`; diffusers 0.36: ``temb_mod_params``, split)."""
     if encoder_hidden_states is not None:
         text_seq_len = encoder_hidden_states.shape[1]
         hidden_states = torch.cat([encoder_hidden_states, hidden_states], dim=1)
-    shift, scale, gate = _split(temb_mod, 1)[0]
+    shift, scale, gate = _split(temb_mod_params if temb_mod is None else temb_mod, 1)[0]
     n = ops.modulate(hidden_states, scale, shift, block.norm.eps)
     attn_output = block.attn(
         hidden_states=n, image_rotary_emb=image_rotary_emb, **(joint_attention_kwargs or {})

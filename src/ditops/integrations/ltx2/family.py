@@ -74,11 +74,12 @@ def _relied_on() -> Relied:
     from diffusers.models.transformers import transformer_ltx2 as t2
 
     block = t2.LTX2VideoTransformerBlock
+    # (0.37's block has no get_mod_params: its forward, refused, says why; none to check)
+    mods = getattr(block, "get_mod_params", None)
     return {
         "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "LTX2VideoTransformerBlock.get_mod_params": (
-            block.get_mod_params, known("LTX2VideoTransformerBlock.get_mod_params")
-        ),
+        **({} if mods is None else {"LTX2VideoTransformerBlock.get_mod_params": (
+            mods, known("LTX2VideoTransformerBlock.get_mod_params"))}),
         "transformer_ltx2.apply_interleaved_rotary_emb": (
             t2.apply_interleaved_rotary_emb, known("transformer_ltx2.apply_interleaved_rotary_emb")
         ),

@@ -43,6 +43,12 @@ runs diffusers' processor: a GPU may contract the complex product into fused mul
 which the op's meaning does not. In exact precision the patched model is bitwise the
 unpatched one.
 
+Older releases (``docs/releases.md``): diffusers 0.37-0.38's model builds the joint mask
+and hands it to the processor as ``attention_mask``; 0.35-0.36's processor reads no text
+mask at all and projects the split outputs without contiguous copies. The fused processor
+reproduces the arithmetic of the release whose processor it wraps (chosen when it is
+built); 0.35-0.36's blocks have no ``zero_cond_t``, the same arithmetic without it.
+
 Left as diffusers runs it: the modulation projections (``img_mod``/``txt_mod``), the MLPs,
 the projections and attention itself, the text input norm ``txt_norm`` (a model-level
 RMSNorm over the text once per call), the timestep and rotary embeddings.

@@ -81,7 +81,7 @@ def block_forward(
     while nothing is attached to the norms it bypasses (:data:`BLOCK_BYPASSES`).
     """
     img_params = block.img_mod(temb)
-    if block.zero_cond_t:
+    if getattr(block, "zero_cond_t", False):  # (diffusers 0.35-0.36 have no zero_cond_t)
         temb = torch.chunk(temb, 2, dim=0)[0]
     txt_params = block.txt_mod(temb)
     img_mod1, img_mod2 = img_params.chunk(2, dim=-1)
@@ -151,6 +151,12 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
         "diffusers.models.transformers.transformer_qwenimage",
         "QwenDoubleStreamAttnProcessor2_0",
     )
+    #: Three arithmetics (see ``fingerprint_table``): ``"0.42"`` (0.39 on) builds the joint
+    #: mask from ``encoder_hidden_states_mask`` and refuses an ``attention_mask``;
+    #: ``"0.38"`` (0.37-0.38: the model builds the joint mask) and ``"0.36"`` (0.35-0.36: no
+    #: text mask at all) attend with ``attention_mask`` as given and ignore the text mask;
+    #: ``"0.36"`` also hands the output projections the split views as they are.
+    arithmetic_label = "QwenDoubleStreamAttnProcessor2_0.__call__"
 
     def __call__(
         self,
@@ -163,11 +169,12 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
     ) -> Any:
         rotary = image_rotary_emb if isinstance(image_rotary_emb, tuple) else ()
         tables = [self.tables(hidden_states, f, 2) for f in rotary]
+        mask_as_given = self.arithmetic in ("0.36", "0.38")
         if (
             len(tables) != 2
             or None in tables
             or encoder_hidden_states is None  # (the original raises diffusers' errors)
-            or attention_mask is not None
+            or (attention_mask is not None and not mask_as_given)
             or qk_bypass().problem(attn) is not None
         ):
             return self.original(
@@ -178,7 +185,7 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
                 attention_mask,
                 image_rotary_emb,
             )
-        if encoder_hidden_states_mask is not None:
+        if encoder_hidden_states_mask is not None and not mask_as_given:
             image_mask = torch.ones(
                 (hidden_states.shape[0], hidden_states.shape[1]),
                 dtype=torch.bool,
@@ -209,7 +216,10 @@ class FusedQwenImageAttnProcessor(ComplexRopeProcessor):
             attention_mask,
         )
         out = out.flatten(2, 3).to(query.dtype)
-        img_out = attn.to_out[0](out[:, seq_txt:, :].contiguous())
+        img_out, txt_out = out[:, seq_txt:, :], out[:, :seq_txt, :]
+        if self.arithmetic != "0.36":  # 0.35-0.36 project the split views as they are
+            img_out, txt_out = img_out.contiguous(), txt_out.contiguous()
+        img_out = attn.to_out[0](img_out)
         if len(attn.to_out) > 1:
             img_out = attn.to_out[1](img_out)
-        return img_out, attn.to_add_out(out[:, :seq_txt, :].contiguous())
+        return img_out, attn.to_add_out(txt_out)

@@ -57,6 +57,8 @@ def span(releases: tuple[str, ...]) -> str:
 
 
 _r = releases_between
+#: 0.39 and before split heads by count (``attn.heads``), later releases by ``head_dim``.
+_HEADS_BY_COUNT = "heads split by count, not head_dim: the same split untensor-parallel"
 
 # fmt: off
 KNOWN: dict[str, dict[str, Seen]] = {
@@ -100,28 +102,28 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "ca9bc82ca0de5ada": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FinalLayer.forward": {
-        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), None,
-            "before per-token (noisy/clean) modulation"),
+        "88c026ff824ebbdd": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "no per-token (noisy/clean) modulation: the same global one"),
         "ba75a38896591147": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2AttnProcessor.__call__": {
         "e6dba65f0e6fa7cd": Seen(_r("0.36.0", "0.39.0"), "0.42",
-            "heads split by count, not head_dim: the same split untensor-parallel"),
+            _HEADS_BY_COUNT),
         "0740aa4a222d83c2": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2ParallelSelfAttnProcessor.__call__": {
         "edc8cd199972a85b": Seen(_r("0.36.0", "0.39.0"), "0.42",
-            "heads split by count, not head_dim: the same split untensor-parallel"),
+            _HEADS_BY_COUNT),
         "ea6d4afcbd27187a": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2SingleTransformerBlock.forward": {
-        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), None,
-            "modulation passed as tuples: another block interface"),
+        "7a4cb40ec4b2d562": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "modulation passed split (tuples), not split in the block: the same chunks"),
         "4d80d4a09445b850": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "Flux2TransformerBlock.forward": {
-        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), None,
-            "modulation passed as tuples: another block interface"),
+        "310b2b1103b11b4e": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "modulation passed split (tuples), not split in the block: the same chunks"),
         "a35f2a4b302cd526": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FluxAttnProcessor.__call__": {
@@ -130,7 +132,7 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "d86cc30d4e5d31e0": Seen(_r("0.36.0", "0.36.0"), "0.36",
             "to_out on the split views, not contiguous copies"),
         "1011958677784f65": Seen(_r("0.37.0", "0.39.0"), "0.42",
-            "heads split by count, not head_dim: the same split untensor-parallel"),
+            _HEADS_BY_COUNT),
         "20faad9ce73da78f": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "FluxSingleTransformerBlock.forward": {
@@ -182,8 +184,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
     "LTX2VideoTransformerBlock.forward": {
         "d7bb1a16fbf25240": Seen(_r("0.37.0", "0.37.1"), None,
             "before prompt adaLN and KV-cacheable cross-attention"),
-        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), None,
-            "prompt adaLN always on (no static-table path)"),
+        "c865936b51ecb2ba": Seen(_r("0.38.0", "0.39.0"), "0.42",
+            "no static prompt table: a path their model never takes"),
         "478c7be6edc9a87b": Seen(_r("0.40.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "LTX2VideoTransformerBlock.get_mod_params": {
@@ -221,19 +223,26 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "353f59492792a3fb": Seen(_r("0.35.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "QwenDoubleStreamAttnProcessor2_0.__call__": {
-        "4b945b18ed36654b": Seen(_r("0.35.0", "0.35.2"), None, "not analysed: refused"),
-        "ae92e49854e506dd": Seen(_r("0.36.0", "0.36.0"), None, "not analysed: refused"),
-        "e9cfc2f8c1889e63": Seen(_r("0.37.0", "0.38.0"), None, "not analysed: refused"),
-        "42d13a508cb5b267": Seen(_r("0.39.0", "0.39.0"), None, "not analysed: refused"),
-        "8f3ad066164b778b": Seen(_r("0.40.0", "0.41.0") + (MAIN,), None, "not analysed: refused"),
+        "4b945b18ed36654b": Seen(_r("0.35.0", "0.35.2"), "0.36",
+            "no context parallelism; text mask unused; to_out on the split views"),
+        "ae92e49854e506dd": Seen(_r("0.36.0", "0.36.0"), "0.36",
+            "text mask unused (attention_mask as given); to_out on the split views"),
+        "e9cfc2f8c1889e63": Seen(_r("0.37.0", "0.38.0"), "0.38",
+            "the joint mask comes as attention_mask, built by the model"),
+        "42d13a508cb5b267": Seen(_r("0.39.0", "0.39.0"), "0.42",
+            _HEADS_BY_COUNT),
+        "8f3ad066164b778b": Seen(_r("0.40.0", "0.41.0") + (MAIN,), "0.42",
+            "rotary per device: Neuron's real-angle path is never fused"),
         "dccfcb67a396179e": Seen(_r("0.42.0", "0.42.1"), "0.42"),
     },
     "QwenImageTransformerBlock._modulate": {
-        "4b56fa6be47175d7": Seen(_r("0.35.0", "0.36.0"), None, "not analysed: refused"),
+        "4b56fa6be47175d7": Seen(_r("0.35.0", "0.36.0"), "0.42",
+            "no per-token index (zero_cond_t): the same without one"),
         "c3335a4657aaf912": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "QwenImageTransformerBlock.forward": {
-        "c8a8ce8b18410de3": Seen(_r("0.35.0", "0.36.0"), None, "not analysed: refused"),
+        "c8a8ce8b18410de3": Seen(_r("0.35.0", "0.36.0"), "0.42",
+            "no zero_cond_t: the same without it"),
         "0f27194aff1229e4": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "RMSNorm.forward": {
@@ -263,8 +272,8 @@ KNOWN: dict[str, dict[str, Seen]] = {
         "5fe6b78622d11d61": Seen(_r("0.35.2", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZImageTransformerBlock.forward": {
-        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), None,
-            "before per-token (noisy/clean) modulation"),
+        "8a36be5fdca5db80": Seen(_r("0.36.0", "0.36.0"), "0.42",
+            "no per-token (noisy/clean) modulation: the same global one"),
         "48c974cc2ee59378": Seen(_r("0.37.0", "0.42.1") + (MAIN,), "0.42"),
     },
     "ZSingleStreamAttnProcessor.__call__": {

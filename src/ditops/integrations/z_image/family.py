@@ -82,10 +82,12 @@ def _relied_on() -> Relied:
     from diffusers.models import normalization
     from diffusers.models.transformers import transformer_z_image as tz
 
-    return {
+    relied: Relied = {
         "RMSNorm.forward": (normalization.RMSNorm.forward, known("RMSNorm.forward")),
-        "select_per_token": (tz.select_per_token, known("select_per_token")),
-    }  # fmt: skip
+    }
+    if hasattr(tz, "select_per_token"):  # (0.36 has no per-token modulation: nothing to pick)
+        relied["select_per_token"] = (tz.select_per_token, known("select_per_token"))
+    return relied
 
 
 def _block_unfused(block: nn.Module, where: str) -> list[str]:

@@ -89,9 +89,9 @@ def block_forward(
     meaning, diffusers' own expressions, so nothing is gained.
     """
     if x.device.type != "cpu" and ops.rms.resolved_precision() == "exact":
-        return type(block).forward(
-            block, x, attn_mask, freqs_cis, adaln_input, noise_mask, adaln_noisy, adaln_clean
-        )
+        # (diffusers 0.36's forward takes no per-token arguments: passed only when used)
+        per_token = () if noise_mask is None else (noise_mask, adaln_noisy, adaln_clean)
+        return type(block).forward(block, x, attn_mask, freqs_cis, adaln_input, *per_token)
     scale_msa, gate_msa, scale_mlp, gate_mlp = _mods(
         block, x.shape[1], adaln_input, noise_mask, adaln_noisy, adaln_clean
     )

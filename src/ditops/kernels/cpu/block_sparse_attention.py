@@ -14,7 +14,8 @@ block, a few % of the time), and 128-row queries, on which the flash kernel work
 32-row tiles where a dense call uses 256-row ones (the ceiling of this design:
 ``benchmarks/cpu/probes/sparse_attention_parts.py`` measures the speed per key).
 
-Pairs (not causal): two neighbouring query blocks of a head whose selections mostly
+Pairs (not causal; off by default since the groups run on worker threads, see
+``PAIR_QUERY_BLOCKS``): two neighbouring query blocks of a head whose selections mostly
 agree (``PAIR_MIN_SHARED``) run as one 256-row query over the key blocks both select
 (64-row tiles), and each block then runs alone over the blocks only it selects; the two
 parts are merged through their log-sum-exps (``w = exp(lse - max)``, in fp32). Video
@@ -28,7 +29,12 @@ threads, which on a busy machine costs milliseconds. So the copies are few and b
 up to ``WORKSPACE_BYTES`` of keys (and of values) per group of rows, gathered with one
 copy each for all the buckets in the group, and the outputs written once per group.
 The buffers are kept between calls (fresh ones would page-fault on every call: field
-notes, glibc malloc); :func:`release_workspace` frees them.
+notes, glibc malloc); :func:`release_workspace` frees them. With ``SHARE_GROUPS`` (the
+default) the groups are handed out to :mod:`ditops.kernels.cpu.workers` threads, one
+intra-op thread each, with ``SHARED_WORKSPACE_BYTES`` buffers from each worker's scratch
+(kept per thread; :func:`ditops.kernels.cpu.blocks.release` frees a thread's): while one
+thread copies keys the other attends, and no call waits at a barrier for a descheduled
+thread (the plan runs on one thread for the same reason).
 
 Meaning (see :mod:`ditops.attention.reference`): softmax over the union of the
 selected key blocks; a row with none outputs zeros; GQA maps query head ``n`` to key
@@ -50,16 +56,18 @@ that is not selected is never read, so it does not reach the output (the meaning
 
 from __future__ import annotations
 
-import contextlib
-import threading
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
+from ditops.kernels.cpu import workers
+from ditops.kernels.cpu.blocks import Scratch, kernel_threads
+from ditops.kernels.cpu.gathered_rows import Part, Rows, release_workspace, workspace
 from ditops.kernels.opaque import opaque_op
+
+__all__ = ["gathered_block_sparse_attention", "plan_buckets", "release_workspace"]
 
 #: Bytes of gathered keys (and as many of values) per group of rows, kept between
 #: calls. 64 MiB is 128 rows of 2048 bf16 keys at d=128 (keep 0.25 at 8k tokens): six
@@ -67,10 +75,20 @@ from ditops.kernels.opaque import opaque_op
 #: threads of a busy machine (more parallel regions).
 WORKSPACE_BYTES = 64 * 1024 * 1024
 
+#: Hand whole groups of rows to worker threads (:mod:`ditops.kernels.cpu.workers`), one
+#: intra-op thread each, instead of running each group's copies and SDPA call on the
+#: process's threads; their buffers are the workers' scratch, of
+#: ``SHARED_WORKSPACE_BYTES`` per group (smaller groups: the last one claimed is short).
+SHARE_GROUPS = True
+SHARED_WORKSPACE_BYTES = 16 * 1024 * 1024
+
 #: Serve neighbouring query blocks with mostly the same key blocks as pairs (see
 #: :func:`plan_buckets`): SDPA on 256 query rows works in 64-row tiles instead of
-#: 32-row ones.
-PAIR_QUERY_BLOCKS = True
+#: 32-row ones. Off: with the groups on worker threads (``SHARE_GROUPS``) the pairs'
+#: second phase, extra calls and merges cost more than the larger tiles gain (the
+#: estimator's masks at Wan's shape, keep 0.25: 3.28x dense unpaired vs 2.86x paired at
+#: load 7-8, ``benchmarks/cpu/probes/sparse_share_groups.txt``).
+PAIR_QUERY_BLOCKS = False
 #: ... when the blocks both select are at least this share of the larger selection.
 PAIR_MIN_SHARED = 0.5
 
@@ -176,134 +194,8 @@ def plan_buckets(
     return buckets, (counts == 0).nonzero().flatten()
 
 
-class _Rows:
-    """A BNSD-viewed tensor as rows of its last dim, addressed by (batch, head, token).
-
-    Rows are read through one ``[M, D]`` view when the strides allow it (unit stride
-    on D, the others multiples of D: contiguous BNSD or BSND, or a slice of a packed
-    qkv tensor); otherwise the tensor is copied to contiguous BNSD first. When a head's
-    tokens are consecutive rows in whole blocks (contiguous BNSD, length a multiple of
-    the block), ``blocks`` views them as ``[M / block, block * D]``: one index per block
-    instead of one per token.
-    """
-
-    def __init__(self, x: torch.Tensor, block_size: int) -> None:
-        dim = int(x.shape[-1])
-        sizes = [int(s) for s in x.shape]
-        strides = [int(s) for s in x.stride()]
-        usable = (strides[3] == 1 or sizes[3] == 1) and all(
-            s % dim == 0 or n == 1 for s, n in zip(strides[:3], sizes[:3])
-        )
-        if not usable:
-            x = x.contiguous()
-            strides = [int(s) for s in x.stride()]
-        rb, rn, rs = (s // dim if n > 1 else 0 for s, n in zip(strides[:3], sizes[:3]))
-        rows = 1 + rb * (sizes[0] - 1) + rn * (sizes[1] - 1) + rs * (sizes[2] - 1)
-        self.dim, self.block = dim, block_size
-        self.rb, self.rn, self.rs = rb, rn, rs
-        self.flat = x.as_strided((rows, dim), (dim, 1), x.storage_offset())
-        self.blocks: torch.Tensor | None = None
-        aligned = rows % block_size == 0 and rb % block_size == 0 and rn % block_size == 0
-        if (rs == 1 or sizes[2] == 1) and aligned:
-            self.blocks = self.flat.view(rows // block_size, block_size * dim)
-
-    def start(self, b: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-        """Row of token 0 of (batch b, head n)."""
-        return b * self.rb + n * self.rn
-
-    def _ids(self, parts: list[_Part]) -> tuple[torch.Tensor, bool]:
-        """Indices of the parts' rows: of whole blocks in ``blocks`` when every part is
-        made of whole blocks and the view exists (True), else of rows in ``flat``."""
-        if self.blocks is not None and all(p.length == p.blocks.shape[1] * self.block
-                                           for p in parts):  # fmt: skip
-            ids = [((p.start // self.block)[:, None] + p.blocks).reshape(-1) for p in parts]
-            return torch.cat(ids) if len(ids) > 1 else ids[0], True
-        rows = []
-        for p in parts:
-            pos = p.blocks[:, :, None] * self.block + torch.arange(self.block)
-            pos = pos.reshape(p.blocks.shape[0], -1)[:, : p.length]
-            rows.append((p.start[:, None] + pos * self.rs).reshape(-1))
-        return torch.cat(rows) if len(rows) > 1 else rows[0], False
-
-    def _run(self, ids: torch.Tensor) -> int | None:
-        """The first index when ``ids`` are consecutive, else None."""
-        first = int(ids[0])
-        return first if bool((ids == torch.arange(first, first + ids.numel())).all()) else None
-
-    def gather(self, parts: list[_Part], buf: torch.Tensor) -> torch.Tensor:
-        """The parts' rows one after the other, ``[sum(rows * length), D]``: one copy
-        into ``buf``, or a view when they are consecutive whole blocks."""
-        ids, whole = self._ids(parts)
-        total = sum(int(p.start.shape[0]) * p.length for p in parts)
-        if whole:
-            first = self._run(ids)
-            if first is not None:
-                return self.blocks[first : first + ids.numel()].view(-1, self.dim)
-            out = buf[: total * self.dim].view(-1, self.block * self.dim)
-            return torch.index_select(self.blocks, 0, ids, out=out).view(-1, self.dim)
-        out = buf[: total * self.dim].view(total, self.dim)
-        return torch.index_select(self.flat, 0, ids, out=out)
-
-    def scatter(self, parts: list[_Part], pieces: list[torch.Tensor]) -> None:
-        """Write ``cat(pieces)`` to the parts' rows (the inverse of :meth:`gather`)."""
-        ids, whole = self._ids(parts)
-        if whole:
-            first = self._run(ids)
-            if first is not None:
-                dest = self.blocks[first : first + ids.numel()].view(-1, self.dim)
-                if len(pieces) > 1:
-                    torch.cat(pieces, out=dest)
-                else:
-                    dest.copy_(pieces[0])
-                return
-            src = torch.cat(pieces) if len(pieces) > 1 else pieces[0]
-            self.blocks.index_copy_(0, ids, src.view(ids.numel(), -1))
-            return
-        self.flat.index_copy_(0, ids, torch.cat(pieces) if len(pieces) > 1 else pieces[0])
-
-
-class _Part(NamedTuple):
-    """Rows to gather: for each row, the whole blocks ``blocks[i]`` (ascending) of the
-    sequence starting at row ``start[i]``, ``length`` rows of them (the last block may
-    be partial)."""
-
-    start: torch.Tensor
-    blocks: torch.Tensor
-    length: int
-
-
-#: Scratch buffers kept between calls (one set, taken by one call at a time): fresh
-#: ones would page-fault on every call (field notes, glibc malloc).
-_kept: list[torch.Tensor] = []
-_kept_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def _workspace(*wants: tuple[int, torch.dtype]) -> Iterator[list[torch.Tensor]]:
-    """Flat buffers of at least ``numel`` elements of ``dtype``, reused across calls."""
-    if not _kept_lock.acquire(blocking=False):
-        # Another thread holds the kept set: this call gets its own.
-        yield [torch.empty(numel, dtype=dtype) for numel, dtype in wants]
-        return
-    try:
-        for i, (numel, dtype) in enumerate(wants):
-            if i == len(_kept):
-                _kept.append(torch.empty(0, dtype=dtype))
-            kept = _kept[i]
-            # One made under inference_mode cannot be written outside it: made afresh.
-            stale = kept.is_inference() and not torch.is_inference_mode_enabled()
-            if kept.dtype != dtype or kept.numel() < numel or stale:
-                _kept[i] = torch.empty(0)  # free the old one first
-                _kept[i] = torch.empty(numel, dtype=dtype)
-        yield [_kept[i] for i in range(len(wants))]
-    finally:
-        _kept_lock.release()
-
-
-def release_workspace() -> None:
-    """Free the scratch buffers kept between calls."""
-    with _kept_lock:
-        _kept.clear()
+#: One group's work items: ``(bucket, first, last)`` slices of buckets.
+Segments = list[tuple["Bucket", int, int]]
 
 
 @opaque_op("ditops::cpu_gathered_block_sparse_attention")
@@ -329,25 +221,29 @@ def gathered_block_sparse_attention(
     out = torch.empty(shape, dtype=q.dtype, device=q.device)
     if q_len == 0 or kv_len == 0:
         return out.zero_()  # no keys: every query outputs zeros
-    buckets, empty = plan_buckets(
-        mask, q_len=q_len, kv_len=kv_len, block_size=block_size, causal=causal,
-        pair=PAIR_QUERY_BLOCKS and _WITH_LSE is not None,
-    )  # fmt: skip
-    qr, kr, vr = _Rows(q, block_size), _Rows(k, block_size), _Rows(v, block_size)
-    outr = _Rows(out.transpose(1, 2) if bsnd_out else out, block_size)
+    # The plan's dozens of small ops on the mask run on one thread: on two, each waits
+    # for a descheduled partner under load (290-380 ms vs ~15 ms at load 11-12 for
+    # [1, 12, 64, 64]; benchmarks/README.md, issue 39). Same bits (small tensors).
+    with kernel_threads(1):
+        buckets, empty = plan_buckets(
+            mask, q_len=q_len, kv_len=kv_len, block_size=block_size, causal=causal,
+            pair=PAIR_QUERY_BLOCKS and _WITH_LSE is not None,
+        )  # fmt: skip
+    qr, kr, vr = Rows(q, block_size), Rows(k, block_size), Rows(v, block_size)
+    outr = Rows(out.transpose(1, 2) if bsnd_out else out, block_size)
     q_blocks = -(-q_len // block_size)
     q_tail = q_len - (q_blocks - 1) * block_size
 
-    def query_part(rows: torch.Tensor, length: int, table: _Rows) -> _Part:
+    def query_part(rows: torch.Tensor, length: int, table: Rows) -> Part:
         """The query (or output) block of each flat mask row; two blocks for a pair."""
         bh = rows // q_blocks
         r = (rows % q_blocks)[:, None]
         blocks = torch.cat([r, r + 1], dim=1) if length > block_size else r
-        return _Part(table.start(bh // heads, bh % heads), blocks, length)
+        return Part(table.start(bh // heads, bh % heads), blocks, length)
 
-    def key_part(rows: torch.Tensor, blocks: torch.Tensor, length: int, table: _Rows) -> _Part:
+    def key_part(rows: torch.Tensor, blocks: torch.Tensor, length: int, table: Rows) -> Part:
         bh = rows // q_blocks
-        return _Part(table.start(bh // heads, (bh % heads) // group), blocks, length)
+        return Part(table.start(bh // heads, (bh % heads) // group), blocks, length)
 
     if empty.numel():
         # Rows with no key: zeros, as in the meaning.
@@ -364,72 +260,96 @@ def gathered_block_sparse_attention(
     lse = None
     if pairs:
         lse = torch.empty(int(mask.shape[0] * mask.shape[1]) * q_blocks, block_size)
-    per_chunk = max(1, WORKSPACE_BYTES // q.element_size() // max(qr.dim, vr.dim))
+    bytes_per = SHARED_WORKSPACE_BYTES if SHARE_GROUPS else WORKSPACE_BYTES
+    per_chunk = max(1, bytes_per // q.element_size() // max(qr.dim, vr.dim))
     phases = [_groups(pairs, per_chunk), _groups(others, per_chunk)]
     groups = [g for p in phases for g in p]
     if not groups:
-        return out  # every row selects nothing: zeros, written above
+        return out  # every row selecting nothing: zeros, written above
+
+    def serve(
+        segments: Segments, k_buf: torch.Tensor, v_buf: torch.Tensor, q_buf: torch.Tensor
+    ) -> None:
+        """Gather one group's queries, keys and values, attend, write its outputs."""
+        qp, kp, vp = [], [], []
+        for bk, first, last in segments:
+            rows, blocks = bk.rows[first:last], bk.blocks[first:last]
+            qp.append(query_part(rows, bk.q_len, qr))
+            kp.append(key_part(rows, blocks, bk.kv_len, kr))
+            vp.append(key_part(rows, blocks, bk.kv_len, vr))
+        qs, ks, vs = qr.gather(qp, q_buf), kr.gather(kp, k_buf), vr.gather(vp, v_buf)
+        results: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
+        q_at = kv_at = 0
+        for bk, first, last in segments:
+            n = last - first
+            args = (
+                qs[q_at : q_at + n * bk.q_len].view(n, 1, bk.q_len, qr.dim),
+                ks[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, kr.dim),
+                vs[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, vr.dim),
+            )
+            if bk.kind == "single":
+                attn_mask = None
+                if bk.causal_offset >= 0:
+                    i = torch.arange(bk.q_len)[:, None]
+                    t = torch.arange(bk.kv_len)[None, :]
+                    attn_mask = t <= bk.causal_offset + i
+                o = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale)
+                lse_o = None
+            else:
+                o, lse_o = _WITH_LSE(*args, 0.0, False, scale=scale)
+            rows = bk.rows[first:last]
+            results.setdefault(bk.kind, []).append((rows, o.view(-1, v_dim), lse_o))
+            q_at += n * bk.q_len
+            kv_at += n * bk.kv_len
+        for kind, done in results.items():
+            rows = torch.cat([r for r, _, _ in done]) if len(done) > 1 else done[0][0]
+            length = 2 * block_size if kind == "pair" else block_size
+            if kind == "single":
+                parts = [query_part(r, o.shape[0] // r.numel(), outr) for r, o, _ in done]
+                outr.scatter(parts, [o for _, o, _ in done])
+                continue
+            part = [query_part(rows, length, outr)]
+            found = torch.cat([x.reshape(-1, block_size) for _, _, x in done])
+            if kind == "pair":
+                outr.scatter(part, [o for _, o, _ in done])
+                both = torch.stack([rows, rows + 1], dim=1).reshape(-1)
+                lse.index_copy_(0, both, found)
+                continue
+            # Private items: o = (o_pair * w_pair + o_own * w_own) / (w_pair + w_own)
+            # with w = exp(lse - max): softmax over the union of both key sets.
+            mine = torch.cat([o for _, o, _ in done]).view(-1, block_size, v_dim).float()
+            theirs = outr.gather(part, torch.empty(mine.numel(), dtype=out.dtype))
+            theirs = theirs.view(-1, block_size, v_dim).float()  # may alias out (fp32)
+            their_lse = lse.index_select(0, rows)
+            top = torch.maximum(found, their_lse)
+            w_mine, w_theirs = (found - top).exp_(), (their_lse - top).exp_()
+            merged = mine.mul_(w_mine[..., None]).add_(theirs * w_theirs[..., None])
+            merged.div_((w_mine + w_theirs)[..., None])
+            outr.scatter(part, [merged.to(out.dtype).view(-1, v_dim)])
+
+    if SHARE_GROUPS:
+        # Whole groups handed to worker threads (one intra-op thread each): one gathers
+        # (memory) while the other attends (arithmetic), and no call waits at a barrier.
+        def per_worker(scratch: Scratch) -> Callable[[Segments], None]:
+            def run(segments: Segments) -> None:
+                kv_n = sum((e - f) * bk.kv_len for bk, f, e in segments)
+                q_n = sum((e - f) * bk.q_len for bk, f, e in segments)
+                k_buf = scratch.take(0, 1, kv_n * kr.dim, k.dtype)[0]
+                v_buf = scratch.take(1, 1, kv_n * vr.dim, v.dtype)[0]
+                serve(segments, k_buf, v_buf, scratch.take(2, 1, q_n * qr.dim, q.dtype)[0])
+
+            return run
+
+        for phase in phases:  # pairs first: the private items merge into their results
+            workers.run_items(phase, per_worker)
+        return out
     kv_rows = max(sum((e - f) * bk.kv_len for bk, f, e in g) for g in groups)
     q_rows = max(sum((e - f) * bk.q_len for bk, f, e in g) for g in groups)
-    with _workspace(
+    with workspace(
         (kv_rows * kr.dim, k.dtype), (kv_rows * vr.dim, v.dtype), (q_rows * qr.dim, q.dtype)
     ) as (k_buf, v_buf, q_buf):
         for segments in groups:
-            qp, kp, vp = [], [], []
-            for bk, first, last in segments:
-                rows, blocks = bk.rows[first:last], bk.blocks[first:last]
-                qp.append(query_part(rows, bk.q_len, qr))
-                kp.append(key_part(rows, blocks, bk.kv_len, kr))
-                vp.append(key_part(rows, blocks, bk.kv_len, vr))
-            qs, ks, vs = qr.gather(qp, q_buf), kr.gather(kp, k_buf), vr.gather(vp, v_buf)
-            results: dict[str, list[tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]]] = {}
-            q_at = kv_at = 0
-            for bk, first, last in segments:
-                n = last - first
-                args = (
-                    qs[q_at : q_at + n * bk.q_len].view(n, 1, bk.q_len, qr.dim),
-                    ks[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, kr.dim),
-                    vs[kv_at : kv_at + n * bk.kv_len].view(n, 1, bk.kv_len, vr.dim),
-                )
-                if bk.kind == "single":
-                    attn_mask = None
-                    if bk.causal_offset >= 0:
-                        i = torch.arange(bk.q_len)[:, None]
-                        t = torch.arange(bk.kv_len)[None, :]
-                        attn_mask = t <= bk.causal_offset + i
-                    o = F.scaled_dot_product_attention(*args, attn_mask=attn_mask, scale=scale)
-                    lse_o = None
-                else:
-                    o, lse_o = _WITH_LSE(*args, 0.0, False, scale=scale)
-                rows = bk.rows[first:last]
-                results.setdefault(bk.kind, []).append((rows, o.view(-1, v_dim), lse_o))
-                q_at += n * bk.q_len
-                kv_at += n * bk.kv_len
-            for kind, done in results.items():
-                rows = torch.cat([r for r, _, _ in done]) if len(done) > 1 else done[0][0]
-                length = 2 * block_size if kind == "pair" else block_size
-                if kind == "single":
-                    parts = [query_part(r, o.shape[0] // r.numel(), outr) for r, o, _ in done]
-                    outr.scatter(parts, [o for _, o, _ in done])
-                    continue
-                part = [query_part(rows, length, outr)]
-                found = torch.cat([x.reshape(-1, block_size) for _, _, x in done])
-                if kind == "pair":
-                    outr.scatter(part, [o for _, o, _ in done])
-                    both = torch.stack([rows, rows + 1], dim=1).reshape(-1)
-                    lse.index_copy_(0, both, found)
-                    continue
-                # Private items: o = (o_pair * w_pair + o_own * w_own) / (w_pair + w_own)
-                # with w = exp(lse - max): softmax over the union of both key sets.
-                mine = torch.cat([o for _, o, _ in done]).view(-1, block_size, v_dim).float()
-                theirs = outr.gather(part, torch.empty(mine.numel(), dtype=out.dtype))
-                theirs = theirs.view(-1, block_size, v_dim).float()  # may alias out (fp32)
-                their_lse = lse.index_select(0, rows)
-                top = torch.maximum(found, their_lse)
-                w_mine, w_theirs = (found - top).exp_(), (their_lse - top).exp_()
-                merged = mine.mul_(w_mine[..., None]).add_(theirs * w_theirs[..., None])
-                merged.div_((w_mine + w_theirs)[..., None])
-                outr.scatter(part, [merged.to(out.dtype).view(-1, v_dim)])
+            serve(segments, k_buf, v_buf, q_buf)
     return out
 
 
