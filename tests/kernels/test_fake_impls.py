@@ -51,6 +51,8 @@ class _Recorder(TorchDispatchMode):
 
 def _forwards() -> Iterator[Callable[[], None]]:
     from tests.integrations import test_diffusers_hunyuan_video as hy
+    from tests.integrations import test_diffusers_ltx_video as ltx
+    from tests.integrations import test_diffusers_mochi as mochi
     from tests.integrations import test_diffusers_wan as wan
 
     sparse = BlockSparseConfig(sparsity=0.5, skip_first_steps=0, block_size=32, stride=4)
@@ -66,8 +68,18 @@ def _forwards() -> Iterator[Callable[[], None]]:
             ditops.patch(model, precision=precision)
             hy.run(model, **hy.inputs(batch=2))
 
+        def modulated_rms_forwards(precision: str = precision) -> None:
+            # rms_norm_scale: Mochi's fp32 upcast, LTX-Video's weighted norm with a shift
+            model = mochi.tiny_mochi(torch.bfloat16)
+            ditops.patch(model, precision=precision)
+            mochi.run(model, **mochi.inputs(torch.bfloat16))
+            model = ltx.tiny_ltx(torch.bfloat16, norm_elementwise_affine=True)
+            ditops.patch(model, precision=precision)
+            ltx.run(model, **ltx.inputs(torch.bfloat16))
+
         yield wan_forward
         yield hunyuan_forward
+        yield modulated_rms_forwards
 
 
 @pytest.fixture(scope="module")
