@@ -43,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ditops.tracing import traced
+
 #: Rounds of k-means from a cold start (no previous centroids), and from a warm one.
 COLD_ITERS = 3
 WARM_ITERS = 1
@@ -208,7 +210,7 @@ def _kmeans_per_head(
     """:func:`kmeans` of ``flat`` ``[G, S, D]``, on CPU one head per worker thread."""
     groups = int(flat.shape[0])
     # Under torch.compile the batched form is traced (worker threads are not traceable).
-    compiling = torch.compiler.is_compiling()
+    compiling = traced()
     if flat.device.type != "cpu" or groups < 2 or not CPU_HEADS_ON_WORKERS or compiling:
         return kmeans(flat, start, rounds)
     from ditops.kernels.cpu import workers

@@ -49,6 +49,7 @@ from ditops.ops.attention_args import (
 )
 from ditops.ops.attention_npu import NPU_ESTIMATE, estimate_reasons, npu_estimate
 from ditops.platform import cpu_half_matmuls_slow
+from ditops.tracing import traced
 
 #: The Triton estimate holds whole blocks in a tile: at most this many strided rows per
 #: block (``block_size / stride``); larger tiles would not fit a GPU's registers.
@@ -212,7 +213,7 @@ class EstimateBlockMask(CustomOp):
                 scale=c.score_scale() * c.stride,
                 causal=sel.causal,
             )
-            if torch.compiler.is_compiling():  # traced: the 2-D form (no worker threads)
+            if traced():  # traced: the 2-D form (no worker threads)
                 scores = sampled_block_scores_fp32(
                     c.qb,
                     c.kb,
@@ -240,7 +241,7 @@ class EstimateBlockMask(CustomOp):
                 score_scale=c.score_scale(),
                 causal=sel.causal,
             )
-        if torch.compiler.is_compiling():
+        if traced():
             return mask_from_scores(scores, sel)
         from ditops.kernels.cpu.blocks import kernel_threads
 
