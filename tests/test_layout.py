@@ -222,7 +222,7 @@ def test_no_import_cycle() -> None:
 
 
 #: A file a reader takes in at one sitting; the op core's budget (issue 17).
-MAX_LINES = 460
+MAX_LINES = 450
 
 
 @pytest.mark.parametrize("path", MODULES, ids=lambda p: str(p.relative_to(SRC)))
