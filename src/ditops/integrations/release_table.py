@@ -28,7 +28,11 @@ def labels(family: DeclaredFamily) -> list[str]:
     tables += [fn_table[1] for fn_table in spec.relied_on().values()]
     if spec.attention is not None and spec.attention.relied is not None:
         for ours in spec.attention.processors.values():
-            tables += [fn_table[1] for fn_table in spec.attention.relied(ours).values()]
+            try:  # reads the wrapped processor's module, which older releases may lack
+                relied = spec.attention.relied(ours)
+            except (ImportError, AttributeError):  # ChronoEdit, SkyReels' helper in 0.35
+                continue
+            tables += [fn_table[1] for fn_table in relied.values()]
     out = dict.fromkeys(label for table in tables for label in _labels_of(table))
     return list(out) + [p for p in _processors(family) if p not in out]
 
@@ -46,7 +50,13 @@ def status(family: DeclaredFamily, release: str) -> tuple[str, list[str]]:
     """``("deep" | "absent" | "refused", notes)``: the variants matched other than the
     newest's, or the functions refused. Absent: the release lacks the family's main block
     or every processor it wraps."""
-    names, processors = labels(family), _processors(family)
+    try:  # the labels come from the installed diffusers' modules
+        names = labels(family)
+    except ImportError:  # the family's module is not in the installed release
+        return "absent", []
+    except AttributeError as e:  # a function it relies on is not there: not its arithmetic
+        return "refused", [str(e)]
+    processors = _processors(family)
     if not _present(names[0], release) or (
         processors and not any(_present(p, release) for p in processors)
     ):
